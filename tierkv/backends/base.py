@@ -1,0 +1,129 @@
+"""The async tier interface every backend implements, and its capability flags."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from tierkv.layout import Layout
+
+__all__ = ["Capabilities", "Tier", "TierConfig", "TierContext"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a tier can do; the store and the conformance suite read these flags.
+
+    - ``persistent``: blocks survive a restart of the process.
+    - ``fast_contains``: ``contains_nowait`` answers from memory, so lookups need no probe.
+    - ``listable``: ``list_keys`` enumerates what the tier holds.
+    - ``deletable``: ``delete`` removes blocks.
+    - ``slot_pool``: the tier is a preallocated slot pool and may be the primary (tier 0).
+    - ``bounded``: the tier enforces ``capacity_bytes`` by evicting.
+    """
+
+    persistent: bool = False
+    fast_contains: bool = False
+    listable: bool = True
+    deletable: bool = True
+    slot_pool: bool = False
+    bounded: bool = True
+
+
+class TierConfig(BaseModel):
+    """Settings every tier has. Backends subclass this with their own fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    capacity_bytes: int | None = None
+    #: cascades in flight to this tier are bounded by bytes and by operations; past either, or when
+    #: the tier's measured latency says the queue would take longer than ``shed_after_s``, new
+    #: cascades are shed (and counted). Promotions are never shed.
+    max_inflight_bytes: int = 256 << 20
+    max_inflight_ops: int = 16
+    shed_after_s: float = 2.0
+    read_concurrency: int = 16
+    #: how long a lookup trusts a presence probe of this tier: found, and not found
+    presence_ttl_s: float = 60.0
+    negative_ttl_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier learns from the store: the layout, the namespace and its fingerprint."""
+
+    layout: Layout
+    namespace: str
+    fingerprint: str
+    max_concurrent_requests: int = 8
+    policy: str = "lru"
+
+
+class Tier(ABC):
+    """One level of the hierarchy, addressed by group index and key.
+
+    Blocks travel as 2-D tensors of ``[n, block_bytes]`` bytes (any dtype whose rows are
+    ``block_bytes`` long). A tier answers per key: ``get`` fills the rows it has and returns
+    ``False`` for the others; a record it finds damaged is a ``False`` (and counted), never an
+    exception. Exceptions mean the backend itself failed.
+    """
+
+    kind: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    config_model: ClassVar[type[TierConfig]] = TierConfig
+
+    def __init__(self, config: TierConfig, context: TierContext) -> None:
+        self.config = config
+        self.context = context
+        self.counters: dict[str, int] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the backend counter ``name`` (reported in ``stats()``)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    async def open(self) -> None:  # noqa: B027
+        """Acquire resources (allocate pools, connect). Called once before use."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release resources."""
+
+    @abstractmethod
+    async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
+        """Store ``blocks[i]`` under ``keys[i]``; per key, whether it is now held."""
+
+    @abstractmethod
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+        """Fill ``out[i]`` with the block of ``keys[i]``; per key, whether it was found intact."""
+
+    @abstractmethod
+    async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the tier holds it (a later ``get`` may still miss)."""
+
+    def contains_nowait(self, group: int, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key presence answered from memory, or None when the tier cannot say without I/O."""
+        return None
+
+    async def delete(self, group: int, keys: Sequence[bytes]) -> None:
+        """Remove keys; keys that are not held are ignored."""
+        raise NotImplementedError(f"{self.kind} tier cannot delete")
+
+    async def list_keys(self, group: int) -> list[bytes]:
+        """Every key the tier holds for ``group``."""
+        raise NotImplementedError(f"{self.kind} tier cannot list keys")
+
+    def used_bytes(self) -> int | None:
+        """Bytes held, where the tier knows it."""
+        return None
+
+    def describe(self) -> str:
+        """A short description for logs and stats; never contains credentials."""
+        return self.kind
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"

@@ -1,0 +1,157 @@
+"""``cpu`` and ``device``: slot-pool tiers, one preallocated tensor per group.
+
+Either may be the primary (tier 0), the one tier that can hand blocks to an engine; the store then
+drives its pools directly. Used as a lower tier, it behaves like any other tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import field_validator
+
+from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.errors import ConfigError
+from tierkv.pool import PoolPlan, SlotPool, plan_pools
+
+__all__ = ["CpuTier", "CpuTierConfig", "DeviceTier", "DeviceTierConfig", "PoolTier"]
+
+
+class CpuTierConfig(TierConfig):
+    """Settings of the ``cpu`` pool (pinned memory when CUDA is present)."""
+
+    kind: str = "cpu"
+    #: explicit slot counts per group index; honoured even below the computed floor
+    slots: dict[int, int] | None = None
+
+
+class DeviceTierConfig(CpuTierConfig):
+    """Settings of the ``device`` pool: ``device`` is ``"cuda"``, ``"cuda:N"`` or ``"cpu"``."""
+
+    kind: str = "device"
+    device: str = "cuda"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        try:
+            torch.device(v)
+        except RuntimeError as exc:
+            raise ValueError(f"not a torch device: {v!r}") from exc
+        return v
+
+
+class PoolTier(Tier):
+    """Per-group slot pools on one device."""
+
+    capabilities = Capabilities(fast_contains=True, slot_pool=True)
+
+    def __init__(self, config: TierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        self.pools: dict[int, SlotPool] = {}
+        self.plan: PoolPlan | None = None
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    async def open(self) -> None:
+        """Plan the pools and allocate them once."""
+        assert isinstance(self.config, CpuTierConfig)
+        device = self._device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"tier {self.kind!r}: device {device} requested but CUDA is not available")
+        layout = self.context.layout
+        self.plan = plan_pools(self.config.capacity_bytes, layout,
+                               self.context.max_concurrent_requests, self.config.slots)
+        self.pools = {
+            p.group: SlotPool(p.group, p.block_bytes, p.slots, device, self.context.policy)
+            for p in self.plan.groups
+        }
+
+    async def close(self) -> None:
+        """Drop the pools."""
+        self.pools = {}
+
+    async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
+        """Write blocks into slots, evicting as needed; keys without a slot are not stored."""
+        pool = self.pools[group]
+        todo = [i for i, k in enumerate(keys) if pool.slot_of(k) is None]
+        for k in keys:
+            pool.touch(k)
+        while todo:
+            got = pool.allocate([keys[i] for i in todo[: max(1, pool.available())]])
+            if got is None:
+                break
+            slots, evicted = got
+            self.count("evictions", len(evicted))
+            take = todo[: len(slots)]
+            idx = torch.tensor(take, dtype=torch.int64)
+            src = blocks if len(take) == len(keys) else blocks.index_select(0, idx.to(blocks.device))
+            pool.write(slots, src.contiguous())
+            pool.mark_ready(slots)
+            todo = todo[len(slots):]
+        return [pool.is_ready(k) for k in keys]
+
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+        """Copy READY blocks out."""
+        pool = self.pools[group]
+        found = [pool.is_ready(k) for k in keys]
+        rows = [i for i, f in enumerate(found) if f]
+        if rows:
+            slots = [pool.index[keys[i]] for i in rows]
+            for i in rows:
+                pool.touch(keys[i])
+            if len(rows) == len(keys):
+                pool.read(slots, out)
+            else:
+                tmp = torch.empty((len(rows), pool.block_bytes), dtype=torch.uint8, device=out.device)
+                pool.read(slots, tmp)
+                out.view(torch.uint8).reshape(len(keys), -1)[torch.tensor(rows)] = tmp
+        return found
+
+    async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is READY."""
+        pool = self.pools[group]
+        return [pool.is_ready(k) for k in keys]
+
+    def contains_nowait(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is READY."""
+        pool = self.pools[group]
+        return [pool.is_ready(k) for k in keys]
+
+    async def delete(self, group: int, keys: Sequence[bytes]) -> None:
+        """Free the slots of unpinned keys."""
+        pool = self.pools[group]
+        pool.free([s for k in keys if (s := pool.slot_of(k)) is not None and pool.pins[s] == 0])
+
+    async def list_keys(self, group: int) -> list[bytes]:
+        """READY keys of ``group``."""
+        pool = self.pools[group]
+        return [k for k in pool.index if pool.is_ready(k)]
+
+    def used_bytes(self) -> int:
+        """Bytes of READY and WRITING slots."""
+        return sum((p.num_slots - p.free_count) * p.block_bytes for p in self.pools.values())
+
+    def describe(self) -> str:
+        """Kind and device."""
+        return f"{self.kind} on {self._device()}"
+
+
+class CpuTier(PoolTier):
+    """Slot pools in host memory."""
+
+    kind = "cpu"
+    config_model = CpuTierConfig
+
+
+class DeviceTier(PoolTier):
+    """Slot pools on an accelerator (``device: cuda:N``), or on ``cpu`` for tests."""
+
+    kind = "device"
+    config_model = DeviceTierConfig
+
+    def _device(self) -> torch.device:
+        assert isinstance(self.config, DeviceTierConfig)
+        return torch.device(self.config.device)

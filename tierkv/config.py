@@ -1,0 +1,148 @@
+"""Store configuration: pydantic models, from a dict, a JSON/YAML file, or ``TIERKV_*`` variables."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator
+
+from tierkv.backends.base import TierConfig
+from tierkv.backends.registry import get_backend
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.layout import Layout
+
+__all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error"]
+
+ENV_PREFIX = "TIERKV_"
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the key path, e.g. ``tiers.1.url: Field required``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        lines.append(f"{loc or '<root>'}: {err['msg']}")
+    return "; ".join(lines)
+
+
+class StoreConfig(BaseModel):
+    """Everything a :class:`~tierkv.TieredStore` needs.
+
+    ``tiers[0]`` is the primary and must be a slot-pool tier (``cpu`` or ``device``); the others
+    are lower tiers written through from the primary, fastest first.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layout: Layout
+    namespace: str = ""
+    max_concurrent_requests: int = 8
+    tiers: list[SerializeAsAny[TierConfig]]
+    policy: Literal["lru", "arc"] = "lru"
+    #: pins a request holds are dropped when it has made no call for this long
+    pin_lease_s: float = 300.0
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid store config: {format_validation_error(exc)}") from None
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tier_models(cls, value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            raise ValueError("at least one tier is needed (the primary pool)")
+        out = []
+        for i, item in enumerate(value):
+            if isinstance(item, TierConfig):
+                out.append(item)
+                continue
+            if not isinstance(item, Mapping) or "kind" not in item:
+                raise ValueError(f"tier {i} must be a mapping with a 'kind'")
+            try:
+                model = get_backend(str(item["kind"])).config_model
+                out.append(model.model_validate(dict(item)))
+            except ValidationError as exc:
+                raise ValueError(format_validation_error(exc, f"tiers.{i}")) from None
+            except TierKVError as exc:
+                raise ValueError(f"tiers.{i}: {exc}") from None
+        return out
+
+    @field_validator("max_concurrent_requests")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+    @field_validator("pin_lease_s")
+    @classmethod
+    def _positive_lease(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+    @property
+    def fingerprint(self) -> str:
+        """The layout fingerprint within this config's namespace."""
+        return self.layout.fingerprint(self.namespace)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
+        """Validate a plain mapping."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a store config must be a mapping, got {type(data).__name__}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> StoreConfig:
+        """Read a JSON or YAML file (YAML needs PyYAML)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+        data: Any
+        if p.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise ConfigError("YAML config files need PyYAML: pip install pyyaml") from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{p}: not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 base: Mapping[str, Any] | None = None) -> StoreConfig:
+        """Build from ``TIERKV_CONFIG`` (a file path) and ``TIERKV_*`` overrides.
+
+        ``TIERKV_NAMESPACE``, ``TIERKV_MAX_CONCURRENT_REQUESTS``, ``TIERKV_POLICY``,
+        ``TIERKV_PIN_LEASE_S`` override top-level keys; ``TIERKV_TIERS`` takes JSON.
+        """
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = dict(base or {})
+        if env.get(f"{ENV_PREFIX}CONFIG"):
+            data.update(cls.from_file(env[f"{ENV_PREFIX}CONFIG"]).model_dump())
+        for name in ("namespace", "max_concurrent_requests", "policy", "pin_lease_s"):
+            val = env.get(ENV_PREFIX + name.upper())
+            if val is not None:
+                data[name] = val
+        if env.get(f"{ENV_PREFIX}TIERS"):
+            try:
+                data["tiers"] = json.loads(env[f"{ENV_PREFIX}TIERS"])
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{ENV_PREFIX}TIERS is not valid JSON: {exc}") from None
+        return cls.from_dict(data)

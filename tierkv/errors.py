@@ -1,0 +1,78 @@
+"""Every exception tierkv raises.
+
+All errors derive from :class:`TierKVError`, so ``except TierKVError`` catches anything the library
+raises on purpose. Errors that describe bad arguments also derive from ``ValueError`` (or
+``KeyError`` / ``LookupError`` where that is what a Python user expects), so existing handlers keep
+working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendNotFound",
+    "BlockMissing",
+    "CapacityError",
+    "ConfigError",
+    "CorruptRecord",
+    "InvalidArgument",
+    "LayoutError",
+    "StoreClosed",
+    "TierKVError",
+]
+
+
+class TierKVError(Exception):
+    """Base class of every error tierkv raises."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """A configuration (dict, file, environment) is invalid; the message names the bad key."""
+
+
+class LayoutError(ConfigError):
+    """A :class:`~tierkv.Layout` or :class:`~tierkv.GroupSpec` is invalid."""
+
+
+class CapacityError(ConfigError):
+    """A capacity or slot budget cannot hold what the layout needs."""
+
+
+class InvalidArgument(TierKVError, ValueError):
+    """A call got an argument it cannot use (shape, dtype, device, group, hashes).
+
+    Raised before any state changes.
+    """
+
+
+class BlockMissing(TierKVError, LookupError):
+    """A block asked for by :meth:`~tierkv.TieredStore.get` is held by no tier."""
+
+    def __init__(self, message: str, *, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        #: positions (in the hashes passed to ``get``) of the blocks that were missing
+        self.missing: list[int] = list(missing or [])
+
+
+class CorruptRecord(TierKVError):
+    """A persistent record failed a check (checksum, magic, version, key, fingerprint, size).
+
+    Inside the store this is never raised to the caller: the record is a counted miss and is removed.
+    ``reason`` is a short machine-readable tag such as ``"checksum"`` or ``"truncated"``.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"corrupt record ({reason}){': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+class BackendError(TierKVError):
+    """A tier's backend failed an operation (I/O error, remote error)."""
+
+
+class BackendNotFound(TierKVError, LookupError):
+    """No backend is registered for a tier ``kind``, or its optional dependency is missing."""
+
+
+class StoreClosed(TierKVError, RuntimeError):
+    """The store is not open (used outside ``async with``) or was closed."""

@@ -1,0 +1,64 @@
+"""Block keys: ``block_hash + group_index.to_bytes(4, "big")``, and the paths derived from them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierkv.errors import InvalidArgument
+
+__all__ = ["GROUP_BYTES", "check_hashes", "key_group", "key_relpath", "make_key", "split_key"]
+
+GROUP_BYTES = 4
+MAX_HASH_BYTES = 1024
+
+
+def make_key(block_hash: bytes, group_idx: int) -> bytes:
+    """The key of one block: the hash followed by the 4-byte big-endian group index.
+
+    These are the bytes vLLM's offload keys use.
+    """
+    if not isinstance(block_hash, (bytes, bytearray)):
+        raise InvalidArgument(f"block hashes must be bytes, got {type(block_hash).__name__}")
+    if not block_hash or len(block_hash) > MAX_HASH_BYTES:
+        raise InvalidArgument(f"a block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(block_hash)}")
+    if not 0 <= group_idx < 1 << 32:
+        raise InvalidArgument(f"group index out of range: {group_idx}")
+    return bytes(block_hash) + group_idx.to_bytes(GROUP_BYTES, "big")
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """The inverse of :func:`make_key`: ``(block_hash, group_idx)``."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) <= GROUP_BYTES:
+        raise InvalidArgument("a key is a non-empty hash followed by 4 group-index bytes")
+    return bytes(key[:-GROUP_BYTES]), int.from_bytes(key[-GROUP_BYTES:], "big")
+
+
+def key_group(key: bytes) -> int:
+    """The group index a key carries."""
+    return int.from_bytes(key[-GROUP_BYTES:], "big")
+
+
+def key_relpath(key: bytes) -> str:
+    """A relative path for a key, made only of hex segments: ``g<group>/<hh>/<hh>/<hex>``.
+
+    Only ``[0-9a-f]``, ``g`` and ``/`` appear, so no key can name a path outside a tier's root.
+    """
+    _, group = split_key(key)
+    kx = key.hex()
+    return f"g{group:08x}/{kx[:2]}/{kx[2:4]}/{kx}"
+
+
+def check_hashes(hashes: Sequence[bytes]) -> None:
+    """Refuse hashes that are not bytes, empty, or repeated within one call."""
+    if isinstance(hashes, (bytes, bytearray, str)):
+        raise InvalidArgument("hashes must be a sequence of bytes, not a single bytes/str value")
+    seen: set[bytes] = set()
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray)):
+            raise InvalidArgument(f"hashes[{i}] must be bytes, got {type(h).__name__}")
+        if not h or len(h) > MAX_HASH_BYTES:
+            raise InvalidArgument(f"hashes[{i}] must be 1..{MAX_HASH_BYTES} bytes long")
+        b = bytes(h)
+        if b in seen:
+            raise InvalidArgument(f"duplicate hash at position {i} in one call")
+        seen.add(b)

@@ -1,0 +1,358 @@
+"""Per-group slot pools: one preallocated tensor per group, slot states and pins, batched copies."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+
+import torch
+from pydantic import BaseModel
+
+from tierkv.errors import CapacityError, InvalidArgument
+from tierkv.layout import Layout
+from tierkv.policy import EvictionPolicy, make_policy
+
+__all__ = [
+    "GroupPlan",
+    "PoolPlan",
+    "SlotPool",
+    "SlotState",
+    "allocate_pool_tensor",
+    "contiguous_run",
+    "plan_pools",
+]
+
+
+class SlotState(enum.IntEnum):
+    """The life of a slot: free, being written (a put or a promotion in flight), ready to read."""
+
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+class GroupPlan(BaseModel):
+    """What pool sizing chose for one group, and why."""
+
+    group: int
+    kind: str
+    slots: int
+    block_bytes: int
+    bytes: int
+    floor: int
+    reason: str
+
+
+class PoolPlan(BaseModel):
+    """Slots and bytes per prefix-cacheable group."""
+
+    capacity_bytes: int | None
+    max_concurrent_requests: int
+    groups: list[GroupPlan]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the pools take together."""
+        return sum(g.bytes for g in self.groups)
+
+    def slots(self) -> dict[int, int]:
+        """Group index -> slot count."""
+        return {g.group: g.slots for g in self.groups}
+
+
+def plan_pools(
+    capacity_bytes: int | None,
+    layout: Layout,
+    max_concurrent_requests: int,
+    slots: Mapping[int, int] | None = None,
+) -> PoolPlan:
+    """Size one pool per prefix-cacheable group.
+
+    Every recurrent group gets its floor of ``max_concurrent_requests * states_per_request`` slots
+    (one state per request can never be shared between requests in flight). What the budget has
+    left is split between the full and sliding-window groups so that each holds the same number of
+    blocks, i.e. covers the same number of tokens: a prefix of ``k`` blocks needs ``k`` blocks in
+    every full group. A model with only recurrent groups gives them the rest, equally in slots.
+    An explicit ``slots`` entry is honoured as given, even below the floor, and said so in the plan.
+    """
+    if max_concurrent_requests <= 0:
+        raise CapacityError(f"max_concurrent_requests must be > 0, got {max_concurrent_requests}")
+    overrides = dict(slots or {})
+    cacheable = layout.cacheable_groups
+    for g, n in overrides.items():
+        if g not in cacheable:
+            raise CapacityError(f"slots override for group {g}, which is not a prefix-cacheable group")
+        if n <= 0:
+            raise CapacityError(f"slots override for group {g} must be > 0, got {n}")
+    if capacity_bytes is not None and capacity_bytes <= 0:
+        raise CapacityError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+    if capacity_bytes is None and set(overrides) != set(cacheable):
+        raise CapacityError("a pool tier needs capacity_bytes, or a slots entry for every group")
+
+    plans: dict[int, GroupPlan] = {}
+    budget = capacity_bytes if capacity_bytes is not None else 0
+    for g in cacheable:
+        spec = layout.groups[g]
+        floor = max_concurrent_requests * spec.states_per_request if spec.kind == "recurrent" else 1
+        if g in overrides:
+            n = overrides[g]
+            note = "explicit slots override" + (f" (below the floor of {floor})" if n < floor else "")
+            plans[g] = GroupPlan(group=g, kind=spec.kind, slots=n, block_bytes=spec.block_bytes,
+                                 bytes=n * spec.block_bytes, floor=floor, reason=note)
+            budget -= n * spec.block_bytes
+    if capacity_bytes is not None and budget < 0:
+        raise CapacityError(
+            f"slots overrides take {capacity_bytes - budget} bytes, more than capacity_bytes={capacity_bytes}"
+        )
+    rest = [g for g in cacheable if g not in plans]
+    if not rest:
+        return PoolPlan(capacity_bytes=capacity_bytes, max_concurrent_requests=max_concurrent_requests,
+                        groups=[plans[g] for g in cacheable])
+    floors = {}
+    for g in rest:
+        spec = layout.groups[g]
+        floors[g] = max_concurrent_requests * spec.states_per_request if spec.kind == "recurrent" else 1
+    floor_bytes = sum(floors[g] * layout.groups[g].block_bytes for g in rest)
+    if floor_bytes > budget:
+        detail = ", ".join(
+            f"group {g} ({layout.groups[g].kind}): {floors[g]} x {layout.groups[g].block_bytes} B"
+            for g in rest
+        )
+        raise CapacityError(
+            f"capacity_bytes={capacity_bytes} is too small for the pool floor of {floor_bytes} bytes"
+            f" ({detail}; max_concurrent_requests={max_concurrent_requests})"
+        )
+    budget -= floor_bytes
+    growers = [g for g in rest if layout.groups[g].kind != "recurrent"] or rest
+    per_row = sum(layout.groups[g].block_bytes for g in growers)
+    extra_rows = budget // per_row if per_row else 0
+    for g in rest:
+        spec = layout.groups[g]
+        n = floors[g] + (extra_rows if g in growers else 0)
+        if spec.kind == "recurrent":
+            why = (f"floor {floors[g]} = max_concurrent_requests {max_concurrent_requests}"
+                   f" x states_per_request {spec.states_per_request}")
+            if g in growers:
+                why += f", plus {extra_rows} from the remaining budget"
+        else:
+            why = f"equal share of the budget left after floors ({n} blocks per group)"
+        plans[g] = GroupPlan(group=g, kind=spec.kind, slots=n, block_bytes=spec.block_bytes,
+                             bytes=n * spec.block_bytes, floor=floors[g], reason=why)
+    return PoolPlan(capacity_bytes=capacity_bytes, max_concurrent_requests=max_concurrent_requests,
+                    groups=[plans[g] for g in cacheable])
+
+
+def allocate_pool_tensor(rows: int, row_bytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """A ``[rows, row_bytes]`` uint8 tensor; pinned when it is on the CPU and CUDA is present.
+
+    Returns the tensor and whether it is pinned. Pinning falls back to plain memory when it fails.
+    """
+    if device.type == "cpu" and torch.cuda.is_available():
+        try:
+            return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError:
+            pass
+    return torch.empty((rows, row_bytes), dtype=torch.uint8, device=device), False
+
+
+def _wide_view(t: torch.Tensor) -> torch.Tensor:
+    """View rows as int64 (or the widest type dividing the row) for fast batched index copies."""
+    row = t.shape[-1]
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row % size == 0 and t.data_ptr() % size == 0:
+            return t.view(dtype)
+    return t
+
+
+class SlotPool:
+    """The slots of one group: a preallocated ``[slots, block_bytes]`` tensor plus slot states.
+
+    A slot is FREE, WRITING (its bytes are being filled) or READY. Pins count users that need the
+    slot to stay (a request that looked it up, a cascade reading it, a load copying it out); only
+    READY slots without pins may be evicted, in the order the eviction policy gives.
+    """
+
+    def __init__(self, group: int, block_bytes: int, slots: int, device: torch.device | str = "cpu",
+                 policy: str = "lru") -> None:
+        if slots <= 0:
+            raise CapacityError(f"group {group}: a pool needs at least one slot")
+        self.group = group
+        self.block_bytes = block_bytes
+        self.num_slots = slots
+        self.device = torch.device(device)
+        self.tensor, self.pinned_memory = allocate_pool_tensor(slots, block_bytes, self.device)
+        self._wide = _wide_view(self.tensor)
+        self.state = [SlotState.FREE] * slots
+        self.pins = [0] * slots
+        self.slot_key: list[bytes | None] = [None] * slots
+        self.index: dict[bytes, int] = {}
+        self._free = list(range(slots - 1, -1, -1))
+        self.policy: EvictionPolicy = make_policy(policy, slots)
+        self.evictions = 0
+        self._evictable = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot holding ``key`` (WRITING or READY), or None."""
+        return self.index.get(key)
+
+    def is_ready(self, key: bytes) -> bool:
+        """True when ``key`` is in a READY slot."""
+        s = self.index.get(key)
+        return s is not None and self.state[s] is SlotState.READY
+
+    def evictable(self, key: bytes) -> bool:
+        """True when ``key`` sits in a READY slot with no pins."""
+        s = self.index.get(key)
+        return s is not None and self.state[s] is SlotState.READY and self.pins[s] == 0
+
+    @property
+    def free_count(self) -> int:
+        """Slots that hold nothing."""
+        return len(self._free)
+
+    def available(self) -> int:
+        """Slots that could be had now: free ones plus READY unpinned ones."""
+        return len(self._free) + self._evictable
+
+    def counts(self) -> dict[str, int]:
+        """Slots per state, plus pinned slots."""
+        c = {"free": 0, "writing": 0, "ready": 0, "pinned": 0}
+        for s in range(self.num_slots):
+            c[self.state[s].name.lower()] += 1
+            if self.pins[s]:
+                c["pinned"] += 1
+        return c
+
+    # ---- transitions ---------------------------------------------------------------------------
+    def allocate(self, keys: Sequence[bytes]) -> tuple[list[int], list[bytes]] | None:
+        """Slots for ``keys`` in WRITING state, all or none; evicts what it must.
+
+        Returns ``(slots, evicted_keys)``, or None when not enough slots are free or evictable
+        (nothing changes then). Keys must not be resident already.
+        """
+        need = len(keys)
+        victims: list[bytes] = []
+        if need > len(self._free):
+            chosen: set[bytes] = set()
+            while len(self._free) + len(victims) < need:
+                v = self.policy.victim(lambda k: k not in chosen and self.evictable(k))
+                if v is None:
+                    return None
+                chosen.add(v)
+                victims.append(v)
+        for v in victims:
+            self._drop(self.index[v])
+        self.evictions += len(victims)
+        slots = []
+        for key in keys:
+            s = self._free.pop()
+            self.state[s] = SlotState.WRITING
+            self.slot_key[s] = key
+            self.index[key] = s
+            slots.append(s)
+        return slots, victims
+
+    def mark_ready(self, slots: Sequence[int]) -> None:
+        """WRITING -> READY: the bytes are complete and may be served."""
+        for s in slots:
+            if self.state[s] is SlotState.WRITING:
+                self.state[s] = SlotState.READY
+                if self.pins[s] == 0:
+                    self._evictable += 1
+                key = self.slot_key[s]
+                assert key is not None
+                self.policy.insert(key)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Give slots back (a failed write, a delete); their keys become invisible at once."""
+        for s in slots:
+            if self.state[s] is not SlotState.FREE:
+                self._drop(s)
+
+    def _drop(self, s: int) -> None:
+        if self.state[s] is SlotState.READY and self.pins[s] == 0:
+            self._evictable -= 1
+        key = self.slot_key[s]
+        if key is not None:
+            self.index.pop(key, None)
+            self.policy.remove(key)
+        self.slot_key[s] = None
+        self.state[s] = SlotState.FREE
+        self.pins[s] = 0
+        self._free.append(s)
+
+    def pin(self, s: int) -> None:
+        """One more user needs slot ``s`` to stay."""
+        if self.pins[s] == 0 and self.state[s] is SlotState.READY:
+            self._evictable -= 1
+        self.pins[s] += 1
+
+    def unpin(self, s: int) -> None:
+        """One user of slot ``s`` is done."""
+        if self.pins[s] > 0:
+            self.pins[s] -= 1
+            if self.pins[s] == 0 and self.state[s] is SlotState.READY:
+                self._evictable += 1
+
+    def touch(self, key: bytes) -> None:
+        """Record a use of ``key`` for the eviction policy."""
+        self.policy.touch(key)
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _check_rows(self, t: torch.Tensor, n: int, what: str) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        nbytes = t.element_size() * (t.shape[-1] if t.dim() else 1)
+        if t.dim() != 2 or t.shape[0] != n or nbytes != self.block_bytes:
+            raise InvalidArgument(
+                f"{what}: expected a 2-D tensor of {n} rows of {self.block_bytes} bytes,"
+                f" got shape {tuple(t.shape)} of {t.dtype}"
+            )
+        if not t.is_contiguous():
+            raise InvalidArgument(f"{what} must be contiguous")
+
+    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
+        """Copy rows of ``src`` (``[len(slots), block_bytes]`` bytes) into ``slots``, batched."""
+        self._check_rows(src, len(slots), "blocks")
+        if not slots:
+            return
+        src8 = src.view(torch.uint8).reshape(len(slots), self.block_bytes)
+        if src8.device != self.device:
+            src8 = src8.to(self.device, non_blocking=self.pinned_memory)
+        run = contiguous_run(slots)
+        if run is not None:
+            self.tensor[run[0]:run[1]].copy_(src8)
+            return
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self._wide.index_copy_(0, idx, src8.view(self._wide.dtype))
+
+    def read(self, slots: Sequence[int], out: torch.Tensor) -> None:
+        """Copy ``slots`` into the rows of ``out`` (``[len(slots), block_bytes]`` bytes), batched."""
+        self._check_rows(out, len(slots), "out")
+        if not slots:
+            return
+        out8 = out.view(torch.uint8).reshape(len(slots), self.block_bytes)
+        run = contiguous_run(slots)
+        if run is not None:
+            out8.copy_(self.tensor[run[0]:run[1]])
+            return
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        if out8.device == self.device:
+            torch.index_select(self._wide, 0, idx, out=out8.view(self._wide.dtype))
+        else:
+            out8.copy_(torch.index_select(self.tensor, 0, idx))
+
+    def row(self, s: int) -> torch.Tensor:
+        """The bytes of slot ``s`` as a view."""
+        return self.tensor[s]
+
+
+def contiguous_run(idx: Sequence[int]) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``idx`` is ``start, start+1, ..., stop-1``; None otherwise."""
+    if not idx:
+        return None
+    first = idx[0]
+    if idx[-1] - first + 1 != len(idx) or any(s != first + j for j, s in enumerate(idx)):
+        return None
+    return first, first + len(idx)
