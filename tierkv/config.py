@@ -63,7 +63,7 @@ class StoreConfig(BaseModel):
                 out.append(item)
                 continue
             if not isinstance(item, Mapping) or "kind" not in item:
-                raise ValueError(f"tier {i} must be a mapping with a 'kind'")
+                raise ValueError(f"tiers.{i}: must be a mapping with a 'kind'")
             try:
                 model = get_backend(str(item["kind"])).config_model
                 out.append(model.model_validate(dict(item)))

@@ -47,20 +47,23 @@ class LowerTier:
 
     def presence(self, group: int, key: bytes, now: float) -> bool | None:
         """True / False when known, None when a probe is needed."""
-        if self.fast:
+        entry = self._presence.get(key)
+        if entry is not None and entry[1] < now:
+            del self._presence[key]
+            entry = None
+        if self.fast and (entry is None or entry[0]):
             ans = self.tier.contains_nowait(group, [key])
             return None if ans is None else ans[0]
-        entry = self._presence.get(key)
-        if entry is None:
-            return None
-        if entry[1] < now:
-            del self._presence[key]
-            return None
-        return entry[0]
+        return None if entry is None else entry[0]
 
     def note(self, key: bytes, present: bool, now: float | None = None) -> None:
-        """Remember what a probe, a store or a read told about ``key``."""
-        if self.fast:
+        """Remember what a probe, a store or a read told about ``key``.
+
+        A tier that answers presence from memory needs only the negative answers: a read that
+        failed keeps the key a MISS for ``negative_ttl_s`` instead of promoting it again and again.
+        """
+        if self.fast and present:
+            self._presence.pop(key, None)
             return
         now = time.monotonic() if now is None else now
         ttl = self.cfg.presence_ttl_s if present else self.cfg.negative_ttl_s

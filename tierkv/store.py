@@ -133,6 +133,8 @@ class TieredStore:
         await self._tg.__aenter__()
         self._open = True
         self._tg.start_soon(self._lease_sweeper)
+        for t in self._tiers:
+            self._tg.start_soon(self._guarded, t.background)
 
     async def close(self) -> None:
         """Wait for accepted cascades, stop background work, close every tier."""
@@ -364,6 +366,13 @@ class TieredStore:
                 self._unpin(req, key)
         self._service_queue()
 
+    @staticmethod
+    async def _guarded(fn: Any) -> None:
+        try:
+            await fn()
+        except Exception:
+            log.exception("background work of a tier failed")
+
     async def _lease_sweeper(self) -> None:
         period = min(1.0, self.config.pin_lease_s / 4)
         while True:
@@ -401,6 +410,18 @@ class TieredStore:
         self._check_open()
         pool, keys = self._keys(group, hashes)
         req = self._request(request_id)
+        if req is None:
+            # an anonymous call pins for its own duration, so its promotions never evict its HITs
+            req = _Request("", time.monotonic())
+            try:
+                return self._lookup(group, pool, keys, req)
+            finally:
+                for key in list(req.pins):
+                    self._unpin(req, key)
+                self._service_queue()
+        return self._lookup(group, pool, keys, req)
+
+    def _lookup(self, group: int, pool: SlotPool, keys: list[bytes], req: _Request) -> list[Lookup]:
         now = time.monotonic()
         out: list[Lookup] = []
         probes: dict[int, list[bytes]] = {}
@@ -421,7 +442,7 @@ class TieredStore:
             else:
                 out.append(Lookup.PENDING if where else Lookup.MISS)
         if promos:
-            held = sum(1 for g in (req.pins.values() if req else ()) if g == group)
+            held = sum(1 for g in req.pins.values() if g == group)
             room = max(0, pool.num_slots - held)
             for i in promo_pos[room:]:
                 out[i] = Lookup.MISS
@@ -443,6 +464,17 @@ class TieredStore:
         self._check_open()
         check_hashes(hashes)
         req = self._request(request_id)
+        if req is None:
+            req = _Request("", time.monotonic())
+            try:
+                return self._lookup_prefix(hashes, req)
+            finally:
+                for key in list(req.pins):
+                    self._unpin(req, key)
+                self._service_queue()
+        return self._lookup_prefix(hashes, req)
+
+    def _lookup_prefix(self, hashes: Sequence[bytes], req: _Request) -> PrefixLookup:
         now = time.monotonic()
         n = len(hashes)
         cache: dict[tuple[int, int], Any] = {}
@@ -495,23 +527,23 @@ class TieredStore:
         return PrefixLookup(known, state)
 
     # ---- admission and promotion ----------------------------------------------------------------
-    def _admit(self, req: _Request | None, wants: dict[int, list[_Promo]]) -> bool:
+    def _admit(self, req: _Request, wants: dict[int, list[_Promo]]) -> bool:
         """Reserve slots for every wanted block at once and start promotions, or queue (FIFO).
 
         A request either gets every slot it asks for or holds none while it waits: it gives up the
         pins it holds when it joins the queue, so no two requests can wait on each other.
         """
-        if req is not None and self._queue and next(iter(self._queue)) != req.rid:
-            self._enqueue(req, wants)
-            return False
-        if req is None and self._queue:
+        named = req.rid != ""
+        if self._queue and (not named or next(iter(self._queue)) != req.rid):
+            if named:
+                self._enqueue(req, wants)
             return False
         for g, items in wants.items():
             if self._pools[g].available() < len(items):
-                if req is not None:
+                if named:
                     self._enqueue(req, wants)
                 return False
-        if req is not None:
+        if named:
             self._queue.pop(req.rid, None)
             req.wants = {}
         for g, items in wants.items():
@@ -562,7 +594,7 @@ class TieredStore:
         pool = self._pools[group]
         got = pool.allocate([k for k, _ in items])
         assert got is not None, "admission checked availability"
-        slots, evicted = got
+        slots = got[0]
         by_tier: dict[int, tuple[LowerTier, list[bytes], list[int]]] = {}
         for (key, lt), s in zip(items, slots, strict=True):
             self._events[key] = anyio.Event()

@@ -93,6 +93,9 @@ class Tier(ABC):
     async def close(self) -> None:  # noqa: B027
         """Release resources."""
 
+    async def background(self) -> None:  # noqa: B027
+        """Long-running upkeep (e.g. rebuilding capacity accounting); the store runs it once opened."""
+
     @abstractmethod
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Store ``blocks[i]`` under ``keys[i]``; per key, whether it is now held."""

@@ -1,0 +1,45 @@
+"""Shared builders for tests."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from tierkv import GroupSpec, Layout
+
+FULL, SCRATCH, SW, REC = 0, 1, 2, 3
+
+
+def hybrid_layout(bb: int = 1024, window: int = 2, states: int = 1) -> Layout:
+    return Layout(tokens_per_block=16, groups=[
+        GroupSpec(kind="full", block_bytes=bb),
+        GroupSpec(kind="scratch", block_bytes=64),
+        GroupSpec(kind="sliding_window", block_bytes=bb, window_blocks=window),
+        GroupSpec(kind="recurrent", block_bytes=2 * bb, states_per_request=states),
+    ])
+
+
+def hashes(n: int, doc: int = 0) -> list[bytes]:
+    out, prev = [], doc.to_bytes(8, "big")
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "big")).digest()
+        out.append(prev)
+    return out
+
+
+def blocks(n: int, nbytes: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
+
+
+def config(layout: Layout, *lower: dict[str, Any], slots: dict[int, int] | None = None,
+           capacity: int | None = None, **kw: Any) -> dict[str, Any]:
+    primary: dict[str, Any] = {"kind": "cpu"}
+    if slots is not None:
+        primary["slots"] = slots
+    if capacity is not None:
+        primary["capacity_bytes"] = capacity
+    return {"layout": layout, "namespace": "test", "max_concurrent_requests": 2,
+            "tiers": [primary, *lower], **kw}

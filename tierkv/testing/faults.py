@@ -1,0 +1,133 @@
+"""Fault-injecting tier wrappers: fail every N-th operation, slow down, or damage stored records.
+
+``FaultyTier`` wraps any tier and is registered as kind ``faulty``, so a store config can use it::
+
+    {"kind": "faulty", "inner": {"kind": "fsspec", "url": "..."}, "fail_every": 3,
+     "error": "ENOSPC", "ops": ["put"], "delay_s": 0.0}
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import anyio
+import torch
+from pydantic import Field
+
+from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.registry import get_backend
+
+__all__ = ["FaultyTier", "FaultyTierConfig", "SlowDown", "make_error"]
+
+Op = Literal["put", "get", "contains", "delete", "list_keys"]
+
+
+class SlowDown(OSError):
+    """What an S3 503 SlowDown looks like once s3fs has translated it."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EBUSY, "503 SlowDown: please reduce your request rate")
+
+
+def make_error(name: str) -> OSError:
+    """An exception by name: ``ENOSPC``, ``EIO``, ``EACCES`` or ``SlowDown``."""
+    if name == "SlowDown":
+        return SlowDown()
+    code = getattr(errno, name)
+    return OSError(code, f"injected {name}")
+
+
+class FaultyTierConfig(TierConfig):
+    """Settings of the ``faulty`` wrapper."""
+
+    kind: str = "faulty"
+    inner: dict[str, Any]
+    fail_every: int = 0
+    error: Literal["ENOSPC", "EIO", "EACCES", "SlowDown"] = "EIO"
+    ops: list[Op] = Field(default_factory=lambda: list[Op](["put", "get", "contains"]))
+    delay_s: float = 0.0
+
+
+class FaultyTier(Tier):
+    """Wraps a tier; every ``fail_every``-th call of an op in ``ops`` raises ``error``."""
+
+    kind = "faulty"
+    config_model = FaultyTierConfig
+
+    def __init__(self, config: TierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        assert isinstance(config, FaultyTierConfig)
+        self.cfg = config
+        cls = get_backend(config.inner["kind"])
+        self.inner: Tier = cls(cls.config_model.model_validate(config.inner), context)
+        self.calls = 0
+        self.injected = 0
+        self.enabled = True
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """The wrapped tier's capabilities."""
+        return self.inner.capabilities
+
+    async def _maybe_fail(self, op: str) -> None:
+        if self.cfg.delay_s:
+            await anyio.sleep(self.cfg.delay_s)
+        if not self.enabled or op not in self.cfg.ops or self.cfg.fail_every <= 0:
+            return
+        self.calls += 1
+        if self.calls % self.cfg.fail_every == 0:
+            self.injected += 1
+            self.count("injected")
+            raise make_error(self.cfg.error)
+
+    async def open(self) -> None:
+        """Open the wrapped tier."""
+        await self.inner.open()
+
+    async def close(self) -> None:
+        """Close the wrapped tier."""
+        await self.inner.close()
+
+    async def background(self) -> None:
+        """The wrapped tier's upkeep."""
+        await self.inner.background()
+
+    async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("put")
+        return await self.inner.put(group, keys, blocks)
+
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("get")
+        return await self.inner.get(group, keys, out)
+
+    async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("contains")
+        return await self.inner.contains(group, keys)
+
+    def contains_nowait(self, group: int, keys: Sequence[bytes]) -> list[bool] | None:
+        """Delegate."""
+        return self.inner.contains_nowait(group, keys)
+
+    async def delete(self, group: int, keys: Sequence[bytes]) -> None:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("delete")
+        await self.inner.delete(group, keys)
+
+    async def list_keys(self, group: int) -> list[bytes]:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("list_keys")
+        return await self.inner.list_keys(group)
+
+    def used_bytes(self) -> int | None:
+        """The wrapped tier's usage."""
+        return self.inner.used_bytes()
+
+    def describe(self) -> str:
+        """Wrapper and wrapped tier."""
+        return f"faulty({self.inner.describe()})"
+
