@@ -12,6 +12,7 @@ from helpers import FULL, REC, SCRATCH, SW, blocks, config, hashes, hybrid_layou
 from tierkv import (
     BlockMissing,
     CapacityError,
+    ConfigError,
     InvalidArgument,
     Lookup,
     PrefixLookup,
@@ -229,8 +230,15 @@ async def test_scratch_groups_get_no_pool() -> None:
 
 
 async def test_capacity_zero_is_refused() -> None:
-    with pytest.raises(CapacityError):
-        async with TieredStore(config(LAYOUT, capacity=0)):
+    with pytest.raises(ConfigError, match=r"tiers\.0\.capacity_bytes"):
+        TieredStore(config(LAYOUT, capacity=0))
+    with pytest.raises(ConfigError, match=r"tiers\.1\.capacity_bytes"):
+        TieredStore(config(LAYOUT, {"kind": "memory", "capacity_bytes": 0}, slots=ALL))
+
+
+async def test_budget_below_the_floor_is_refused() -> None:
+    with pytest.raises(CapacityError, match="floor"):
+        async with TieredStore(config(hybrid_layout(states=4), capacity=4096)):
             pass
 
 

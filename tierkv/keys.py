@@ -52,6 +52,9 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
     """Refuse hashes that are not bytes, empty, or repeated within one call."""
     if isinstance(hashes, (bytes, bytearray, str)):
         raise InvalidArgument("hashes must be a sequence of bytes, not a single bytes/str value")
+    if all(type(h) is bytes and 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
+        if len(set(hashes)) == len(hashes):
+            return
     seen: set[bytes] = set()
     for i, h in enumerate(hashes):
         if not isinstance(h, (bytes, bytearray)):

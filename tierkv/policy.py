@@ -24,8 +24,8 @@ class EvictionPolicy(Protocol):
     def touch(self, key: bytes) -> None:
         """Record a use of a resident key."""
 
-    def remove(self, key: bytes) -> None:
-        """Forget a key that left the pool (evicted or freed)."""
+    def remove(self, key: bytes, evicted: bool = True) -> None:
+        """Forget a key that left the pool: evicted, or freed on purpose (``evicted=False``)."""
 
     def victim(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         """The key to evict next among those ``can_evict`` accepts, or None."""
@@ -49,7 +49,7 @@ class LRUPolicy:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: bytes, evicted: bool = True) -> None:
         """Forget a key."""
         self._order.pop(key, None)
 
@@ -105,14 +105,16 @@ class ARCPolicy:
         elif key in self._t2:
             self._t2.move_to_end(key)
 
-    def remove(self, key: bytes) -> None:
-        """Forget a resident key; an evicted key is remembered as a ghost."""
+    def remove(self, key: bytes, evicted: bool = True) -> None:
+        """Forget a resident key; an evicted one (not one freed on purpose) is kept as a ghost."""
         if key in self._t1:
             del self._t1[key]
-            self._b1[key] = None
+            if evicted:
+                self._b1[key] = None
         elif key in self._t2:
             del self._t2[key]
-            self._b2[key] = None
+            if evicted:
+                self._b2[key] = None
         self._trim_ghosts()
 
     def victim(self, can_evict: Callable[[bytes], bool]) -> bytes | None:

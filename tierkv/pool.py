@@ -242,15 +242,13 @@ class SlotPool:
                 chosen.add(v)
                 victims.append(v)
         for v in victims:
-            self._drop(self.index[v])
+            self._drop(self.index[v], evicted=True)
         self.evictions += len(victims)
-        slots = []
-        for key in keys:
-            s = self._free.pop()
+        slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
+        for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING
             self.slot_key[s] = key
             self.index[key] = s
-            slots.append(s)
         return slots, victims
 
     def mark_ready(self, slots: Sequence[int]) -> None:
@@ -270,13 +268,13 @@ class SlotPool:
             if self.state[s] is not SlotState.FREE:
                 self._drop(s)
 
-    def _drop(self, s: int) -> None:
+    def _drop(self, s: int, evicted: bool = False) -> None:
         if self.state[s] is SlotState.READY and self.pins[s] == 0:
             self._evictable -= 1
         key = self.slot_key[s]
         if key is not None:
             self.index.pop(key, None)
-            self.policy.remove(key)
+            self.policy.remove(key, evicted)
         self.slot_key[s] = None
         self.state[s] = SlotState.FREE
         self.pins[s] = 0

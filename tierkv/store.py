@@ -20,7 +20,7 @@ from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
 from tierkv.config import StoreConfig
 from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed
-from tierkv.keys import check_hashes, make_key
+from tierkv.keys import GROUP_BYTES, check_hashes, make_key
 from tierkv.layout import Layout
 from tierkv.lower import LowerTier
 from tierkv.metrics import GroupStats, StoreStats, TierStats
@@ -175,7 +175,8 @@ class TieredStore:
     def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
         self.layout.group(group)
         check_hashes(hashes)
-        return self._pools[group], [make_key(bytes(h), group) for h in hashes]
+        tail = group.to_bytes(GROUP_BYTES, "big")
+        return self._pools[group], [bytes(h) + tail for h in hashes]
 
     def _check_rows(self, t: object, n: int, pool: SlotPool, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from tierkv.layout import Layout
 
@@ -52,6 +52,20 @@ class TierConfig(BaseModel):
     #: how long a lookup trusts a presence probe of this tier: found, and not found
     presence_ttl_s: float = 60.0
     negative_ttl_s: float = 1.0
+
+    @field_validator("capacity_bytes")
+    @classmethod
+    def _positive_capacity(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be > 0 (or unset for no bound), got {v}")
+        return v
+
+    @field_validator("max_inflight_bytes", "max_inflight_ops", "read_concurrency")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
 
 
 @dataclass(frozen=True)
