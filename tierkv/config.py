@@ -43,6 +43,9 @@ class StoreConfig(BaseModel):
     max_concurrent_requests: int = 8
     tiers: list[SerializeAsAny[TierConfig]]
     policy: Literal["lru", "arc"] = "lru"
+    #: ``queue``: a promotion that finds no slot waits in FIFO order (PENDING). ``naive``: it is a
+    #: MISS, as in engines that treat a full primary as absent; kept only for comparisons.
+    admission: Literal["queue", "naive"] = "queue"
     #: pins a request holds are dropped when it has made no call for this long
     pin_lease_s: float = 300.0
 

@@ -447,8 +447,9 @@ class TieredStore:
             room = max(0, pool.num_slots - held)
             for i in promo_pos[room:]:
                 out[i] = Lookup.MISS
-            if room:
-                self._admit(req, {group: promos[:room]})
+            if room and not self._admit(req, {group: promos[:room]}) and self.config.admission == "naive":
+                for i in promo_pos[:room]:
+                    out[i] = Lookup.MISS
         self._start_probes(group, probes)
         for r in out:
             self._lookups[r.value] += 1
@@ -521,8 +522,9 @@ class TieredStore:
                 if s is not None:
                     self._pin(req, g, key, s)
                     pool.touch(key)
-        if wants:
-            self._admit(req, wants)
+        if wants and not self._admit(req, wants) and self.config.admission == "naive":
+            self._lookups[Lookup.MISS.value] += 1
+            return PrefixLookup(0, Lookup.MISS)
         state = Lookup.HIT if all_ready and maybe == known else Lookup.PENDING
         self._lookups[state.value] += 1
         return PrefixLookup(known, state)
@@ -535,6 +537,12 @@ class TieredStore:
         pins it holds when it joins the queue, so no two requests can wait on each other.
         """
         named = req.rid != ""
+        if self.config.admission == "naive":
+            if all(self._pools[g].available() >= len(items) for g, items in wants.items()):
+                for g, items in wants.items():
+                    self._start_promotions(req, g, items)
+                return True
+            return False
         if self._queue and (not named or next(iter(self._queue)) != req.rid):
             if named:
                 self._enqueue(req, wants)
