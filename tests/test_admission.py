@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import FULL, REC, SW, blocks, config, hashes, hybrid_layout
+
 from tierkv import Lookup, PrefixLookup, TieredStore
 from tierkv.simulate import Scenario, run_scenario
 

@@ -51,7 +51,7 @@ class Scenario:
 
     def layout(self) -> Layout:
         """The layout the scenario's groups describe."""
-        groups = [GroupSpec(kind=k, block_bytes=self.block_bytes,  # type: ignore[arg-type]
+        groups = [GroupSpec(kind=k, block_bytes=self.block_bytes,
                             window_blocks=self.window_blocks if k == "sliding_window" else None)
                   for k in self.kinds]
         return Layout(tokens_per_block=self.tokens_per_block, groups=groups)
