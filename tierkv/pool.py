@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel
@@ -20,6 +21,7 @@ __all__ = [
     "allocate_pool_tensor",
     "contiguous_run",
     "plan_pools",
+    "shared_pool_tensors",
 ]
 
 
@@ -155,6 +157,31 @@ def allocate_pool_tensor(rows: int, row_bytes: int, device: torch.device) -> tup
     return torch.empty((rows, row_bytes), dtype=torch.uint8, device=device), False
 
 
+SHM_ALIGN = 4096
+
+
+def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
+    """The plan's pools as views of one file mapped shared (e.g. under ``/dev/shm``).
+
+    Every process that opens the same path with the same plan sees the same bytes; the file is
+    created, or resized to what the plan needs (a stale file of another size is fixed, not fatal).
+    Group ``g``'s pool starts at the sum of the earlier groups' bytes, each rounded up to 4 KiB.
+    """
+    offsets, total = {}, 0
+    for g in plan.groups:
+        offsets[g.group] = total
+        total += -(-g.bytes // SHM_ALIGN) * SHM_ALIGN
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != total:
+            os.ftruncate(fd, total)
+    finally:
+        os.close(fd)
+    flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    return {g.group: flat[offsets[g.group]:offsets[g.group] + g.bytes].view(g.slots, g.block_bytes)
+            for g in plan.groups}
+
+
 def _wide_view(t: torch.Tensor) -> torch.Tensor:
     """View rows as int64 (or the widest type dividing the row) for fast batched index copies."""
     row = t.shape[-1]
@@ -173,14 +200,19 @@ class SlotPool:
     """
 
     def __init__(self, group: int, block_bytes: int, slots: int, device: torch.device | str = "cpu",
-                 policy: str = "lru") -> None:
+                 policy: str = "lru", tensor: torch.Tensor | None = None) -> None:
         if slots <= 0:
             raise CapacityError(f"group {group}: a pool needs at least one slot")
         self.group = group
         self.block_bytes = block_bytes
         self.num_slots = slots
         self.device = torch.device(device)
-        self.tensor, self.pinned_memory = allocate_pool_tensor(slots, block_bytes, self.device)
+        if tensor is not None:
+            if tuple(tensor.shape) != (slots, block_bytes) or tensor.dtype != torch.uint8:
+                raise CapacityError(f"group {group}: a pool tensor must be uint8 [{slots}, {block_bytes}]")
+            self.tensor, self.pinned_memory = tensor, tensor.is_pinned()
+        else:
+            self.tensor, self.pinned_memory = allocate_pool_tensor(slots, block_bytes, self.device)
         self._wide = _wide_view(self.tensor)
         self.state = [SlotState.FREE] * slots
         self.pins = [0] * slots
@@ -190,6 +222,8 @@ class SlotPool:
         self.policy: EvictionPolicy = make_policy(policy, slots)
         self.evictions = 0
         self._evictable = 0
+        #: called with the keys each allocation evicted (engine adapters turn them into events)
+        self.on_evict: Callable[[list[bytes]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     def slot_of(self, key: bytes) -> int | None:
@@ -244,6 +278,8 @@ class SlotPool:
         for v in victims:
             self._drop(self.index[v], evicted=True)
         self.evictions += len(victims)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
         slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
         for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import enum
+import functools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -28,7 +32,7 @@ from tierkv.pool import SlotPool, SlotState
 from tierkv.pool import contiguous_run as _run
 from tierkv.prefix import longest_prefix, needed_blocks
 
-__all__ = ["Lookup", "PrefixLookup", "TieredStore"]
+__all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
 log = logging.getLogger("tierkv")
 
@@ -39,6 +43,32 @@ class Lookup(str, enum.Enum):
     HIT = "hit"
     PENDING = "pending"
     MISS = "miss"
+
+
+class KeyState(str, enum.Enum):
+    """Why a block is HIT, PENDING or MISS: what engine adapters need to answer their own API."""
+
+    READY = "ready"  #: in a READY primary slot (HIT)
+    STORING = "storing"  #: reserved by a store that has not completed yet (PENDING)
+    PROMOTING = "promoting"  #: a promotion into a reserved slot is in flight (PENDING)
+    PROBING = "probing"  #: presence on a slow tier is being probed, or a cascade holds it (PENDING)
+    QUEUED = "queued"  #: held by a lower tier, waiting in FIFO order for a primary slot (PENDING)
+    MISS = "miss"  #: nowhere, or can never fit this request's pool share (MISS)
+
+    @property
+    def lookup(self) -> Lookup:
+        """The public answer for this state."""
+        if self is KeyState.READY:
+            return Lookup.HIT
+        return Lookup.MISS if self is KeyState.MISS else Lookup.PENDING
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Slots reserved by :meth:`TieredStore.reserve`: ``slots[i]`` is None for a block already held."""
+
+    slots: list[int | None]
+    evicted: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -59,6 +89,18 @@ class _Request:
 
 
 _Promo = tuple[bytes, LowerTier]
+_F = TypeVar("_F", bound=Any)
+
+
+def _locked(fn: _F) -> _F:
+    """Run a synchronous method under the store's lock (callers may be on any thread)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TieredStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 class TieredStore:
@@ -87,7 +129,16 @@ class TieredStore:
         self._lower: list[LowerTier] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self._open = False
+        #: the synchronous API may be called from threads other than the event loop's (e.g. a
+        #: serving engine's scheduler); every state change happens under this lock
+        self._lock = threading.RLock()
+        self._loop_thread = 0
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._spawn_queue: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
+        self._spawn_wakeup: asyncio.Event | None = None
         self._events: dict[bytes, anyio.Event] = {}
+        #: keys reserved by ``reserve`` until ``commit``; set when they complete
+        self._storing: dict[bytes, anyio.Event] = {}
         self._requests: dict[str, _Request] = {}
         self._pinners: dict[bytes, set[str]] = {}
         self._queue: OrderedDict[str, None] = OrderedDict()
@@ -131,7 +182,15 @@ class TieredStore:
         self._lower = [LowerTier(i, t) for i, t in enumerate(self._tiers[1:], start=1)]
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._loop_thread = threading.get_ident()
+        try:
+            self._aio_loop = asyncio.get_running_loop()
+            self._spawn_wakeup = asyncio.Event()
+        except RuntimeError:
+            self._aio_loop = None
         self._open = True
+        if self._spawn_wakeup is not None:
+            self._tg.start_soon(self._spawner)
         self._tg.start_soon(self._lease_sweeper)
         for t in self._tiers:
             self._tg.start_soon(self._guarded, t.background)
@@ -160,6 +219,27 @@ class TieredStore:
         if not self._open or self._tg is None:
             raise StoreClosed("the store is not open: use 'async with TieredStore(config) as store'")
         return self._tg
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        """Start background work from the loop's thread or, thread-safely, from any other."""
+        tg = self._check_open()
+        if threading.get_ident() == self._loop_thread:
+            tg.start_soon(fn, *args)
+        elif self._aio_loop is not None and self._spawn_wakeup is not None:
+            self._spawn_queue.append((fn, args))
+            self._aio_loop.call_soon_threadsafe(self._spawn_wakeup.set)
+        else:
+            raise StoreClosed("calls from other threads need the store to run on asyncio")
+
+    async def _spawner(self) -> None:
+        """Start, inside the loop, the background work other threads asked for."""
+        assert self._spawn_wakeup is not None and self._tg is not None
+        while True:
+            await self._spawn_wakeup.wait()
+            self._spawn_wakeup.clear()
+            while self._spawn_queue:
+                fn, args = self._spawn_queue.popleft()
+                self._tg.start_soon(fn, *args)
 
     @property
     def tiers(self) -> list[Any]:
@@ -199,6 +279,10 @@ class TieredStore:
         in the background. Blocks already held are not written again. Blocks that find no free or
         evictable slot go straight to the lower tiers from a private copy.
         """
+        with self._lock:
+            self._put(group, hashes, blocks)
+
+    def _put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
         self._check_open()
         pool, keys = self._keys(group, hashes)
         self._check_rows(blocks, len(keys), pool, "blocks")
@@ -234,7 +318,6 @@ class TieredStore:
 
     def _cascade(self, group: int, keys: list[bytes], slots: list[int] | None,
                  copy: torch.Tensor | None) -> None:
-        tg = self._check_open()
         pool = self._pools[group]
         now = time.monotonic()
         for lt in self._lower:
@@ -257,7 +340,7 @@ class TieredStore:
                     entry[1] += 1
             self._cascades += 1
             self._cascades_idle = anyio.Event() if self._cascades == 1 else self._cascades_idle
-            tg.start_soon(self._run_cascade, lt, group, sub_keys, sub_slots, sub_copy, nbytes)
+            self._spawn(self._run_cascade, lt, group, sub_keys, sub_slots, sub_copy, nbytes)
 
     async def _run_cascade(self, lt: LowerTier, group: int, keys: list[bytes],
                            slots: list[int] | None, copy: torch.Tensor | None, nbytes: int) -> None:
@@ -269,35 +352,42 @@ class TieredStore:
                 data = copy if copy is not None else _gather(pool, slots or [])
                 ok = await lt.tier.put(group, keys, data)
                 elapsed = time.monotonic() - t0
-            now = time.monotonic()
-            for k, good in zip(keys, ok, strict=True):
-                lt.note(k, good, now)
-            n_ok = sum(ok)
-            lt.stats.stores += n_ok
-            lt.stats.stores_failed += len(keys) - n_ok
-            lt.stats.bytes_written += n_ok * pool.block_bytes
+            with self._lock:
+                now = time.monotonic()
+                for k, good in zip(keys, ok, strict=True):
+                    lt.note(k, good, now)
+                n_ok = sum(ok)
+                lt.stats.stores += n_ok
+                lt.stats.stores_failed += len(keys) - n_ok
+                lt.stats.bytes_written += n_ok * pool.block_bytes
         except Exception as exc:  # a failing lower tier must never reach the caller
-            lt.stats.stores_failed += len(keys)
+            with self._lock:
+                lt.stats.stores_failed += len(keys)
+                for k in keys:
+                    lt.forget(k)
             log.warning("cascade of %d blocks to tier %d (%s) failed: %s", len(keys), lt.index,
                         lt.tier.describe(), exc)
-            for k in keys:
-                lt.forget(k)
         finally:
-            lt.store_done(nbytes, elapsed)
-            if slots is not None:
-                for s in slots:
-                    pool.unpin(s)
-            if copy is not None:
-                for k in keys:
-                    entry = self._staged.get(k)
-                    if entry is not None:
-                        entry[1] -= 1
-                        if entry[1] <= 0:
-                            del self._staged[k]
-            self._cascades -= 1
-            if self._cascades == 0:
-                self._cascades_idle.set()
-            self._service_queue()
+            with self._lock:
+                self._cascade_done(lt, pool, keys, slots, copy, nbytes, elapsed)
+
+    def _cascade_done(self, lt: LowerTier, pool: SlotPool, keys: list[bytes], slots: list[int] | None,
+                      copy: torch.Tensor | None, nbytes: int, elapsed: float | None) -> None:
+        lt.store_done(nbytes, elapsed)
+        if slots is not None:
+            for s in slots:
+                pool.unpin(s)
+        if copy is not None:
+            for k in keys:
+                entry = self._staged.get(k)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self._staged[k]
+        self._cascades -= 1
+        if self._cascades == 0:
+            self._cascades_idle.set()
+        self._service_queue()
 
     async def flush(self) -> None:
         """Wait until every accepted cascade has finished (or failed, counted in ``stats()``)."""
@@ -357,6 +447,7 @@ class TieredStore:
         if s is not None:
             pool.free([s])
 
+    @_locked
     def release(self, request_id: str) -> None:
         """Drop every pin ``request_id`` holds and its place in the admission queue."""
         self._check_open()
@@ -400,6 +491,7 @@ class TieredStore:
                     probes.setdefault(lt.index, []).append(key)
         return unknown
 
+    @_locked
     def lookup(self, group: int, hashes: Sequence[bytes],
                request_id: str | None = None) -> list[Lookup]:
         """Per block: HIT (ready in the primary), PENDING (on its way) or MISS. Never awaits.
@@ -408,6 +500,12 @@ class TieredStore:
         background; with ``request_id`` every HIT or PENDING block is pinned for that request until
         it loads the block (``get(..., request_id=)``) or is released.
         """
+        return [st.lookup for st in self.lookup_states(group, hashes, request_id)]
+
+    @_locked
+    def lookup_states(self, group: int, hashes: Sequence[bytes],
+                      request_id: str | None = None) -> list[KeyState]:
+        """:meth:`lookup` with the reason behind each answer (see :class:`KeyState`)."""
         self._check_open()
         pool, keys = self._keys(group, hashes)
         req = self._request(request_id)
@@ -422,39 +520,44 @@ class TieredStore:
                 self._service_queue()
         return self._lookup(group, pool, keys, req)
 
-    def _lookup(self, group: int, pool: SlotPool, keys: list[bytes], req: _Request) -> list[Lookup]:
+    def _lookup(self, group: int, pool: SlotPool, keys: list[bytes], req: _Request) -> list[KeyState]:
         now = time.monotonic()
-        out: list[Lookup] = []
+        out: list[KeyState] = []
         probes: dict[int, list[bytes]] = {}
         promos: list[_Promo] = []
         promo_pos: list[int] = []
         for i, k in enumerate(keys):
             s = pool.slot_of(k)
             if s is not None:
-                out.append(Lookup.HIT if pool.state[s] is SlotState.READY else Lookup.PENDING)
+                if pool.state[s] is SlotState.READY:
+                    out.append(KeyState.READY)
+                else:
+                    out.append(KeyState.PROMOTING if k in self._events else KeyState.STORING)
                 self._pin(req, group, k, s)
                 pool.touch(k)
                 continue
             where = self._locate(group, k, now, probes)
             if isinstance(where, LowerTier):
-                out.append(Lookup.PENDING)
+                out.append(KeyState.PROMOTING)
                 promos.append((k, where))
                 promo_pos.append(i)
             else:
-                out.append(Lookup.PENDING if where else Lookup.MISS)
+                out.append(KeyState.PROBING if where else KeyState.MISS)
         if promos:
             held = sum(1 for g in req.pins.values() if g == group)
             room = max(0, pool.num_slots - held)
             for i in promo_pos[room:]:
-                out[i] = Lookup.MISS
-            if room and not self._admit(req, {group: promos[:room]}) and self.config.admission == "naive":
+                out[i] = KeyState.MISS
+            if room and not self._admit(req, {group: promos[:room]}):
+                late = KeyState.MISS if self.config.admission == "naive" else KeyState.QUEUED
                 for i in promo_pos[:room]:
-                    out[i] = Lookup.MISS
+                    out[i] = late
         self._start_probes(group, probes)
         for r in out:
-            self._lookups[r.value] += 1
+            self._lookups[r.lookup.value] += 1
         return out
 
+    @_locked
     def lookup_prefix(self, hashes: Sequence[bytes], request_id: str | None = None) -> PrefixLookup:
         """The longest usable prefix over every prefix-cacheable group (see DESIGN.md rules).
 
@@ -599,7 +702,6 @@ class TieredStore:
                 self._start_promotions(req, g, items)
 
     def _start_promotions(self, req: _Request | None, group: int, items: list[_Promo]) -> None:
-        tg = self._check_open()
         pool = self._pools[group]
         got = pool.allocate([k for k, _ in items])
         assert got is not None, "admission checked availability"
@@ -613,31 +715,37 @@ class TieredStore:
             entry[2].append(s)
         for lt, keys, sl in by_tier.values():
             self._begin_background()
-            tg.start_soon(self._promote, lt, group, keys, sl)
+            self._spawn(self._promote, lt, group, keys, sl)
 
     async def _promote(self, lt: LowerTier, group: int, keys: list[bytes], slots: list[int]) -> None:
-        pool = self._pools[group]
+        ok = [False] * len(keys)
         try:
             ok = await self._read_into_slots(lt, group, keys, slots)
-            good = [s for s, f in zip(slots, ok, strict=True) if f]
-            pool.mark_ready(good)
-            lt.stats.promotions += len(good)
-            lt.stats.hits += len(good)
-            lt.stats.bytes_read += len(good) * pool.block_bytes
-            now = time.monotonic()
-            for k, f in zip(keys, ok, strict=True):
-                if not f:
-                    lt.stats.promotions_failed += 1
-                    lt.stats.misses += 1
-                    lt.note(k, False, now)
-                    self._drop(group, k)
         finally:
-            for k in keys:
-                ev = self._events.pop(k, None)
-                if ev is not None:
-                    ev.set()
-            self._end_background()
-            self._service_queue()
+            with self._lock:
+                self._promotion_done(lt, group, keys, slots, ok)
+
+    def _promotion_done(self, lt: LowerTier, group: int, keys: list[bytes], slots: list[int],
+                        ok: list[bool]) -> None:
+        pool = self._pools[group]
+        good = [s for s, f in zip(slots, ok, strict=True) if f]
+        pool.mark_ready(good)
+        lt.stats.promotions += len(good)
+        lt.stats.hits += len(good)
+        lt.stats.bytes_read += len(good) * pool.block_bytes
+        now = time.monotonic()
+        for k, f in zip(keys, ok, strict=True):
+            if not f:
+                lt.stats.promotions_failed += 1
+                lt.stats.misses += 1
+                lt.note(k, False, now)
+                self._drop(group, k)
+        for k in keys:
+            ev = self._events.pop(k, None)
+            if ev is not None:
+                ev.set()
+        self._end_background()
+        self._service_queue()
 
     async def _read_into_slots(self, lt: LowerTier, group: int, keys: list[bytes],
                                slots: list[int]) -> list[bool]:
@@ -657,39 +765,42 @@ class TieredStore:
         if not direct:
             rows = [i for i, f in enumerate(ok) if f]
             if rows:
-                pool.write([slots[i] for i in rows], _rows(buf, rows))
+                with self._lock:
+                    pool.write([slots[i] for i in rows], _rows(buf, rows))
         return ok
 
     def _start_probes(self, group: int, probes: dict[int, list[bytes]]) -> None:
         if not probes:
             return
-        tg = self._check_open()
         for idx, keys in probes.items():
             lt = self._lower[idx - 1]
             keys = [k for k in dict.fromkeys(keys) if k not in lt.probing]
             if keys:
                 lt.probing.update(keys)
                 self._begin_background()
-                tg.start_soon(self._probe, lt, group, keys)
+                self._spawn(self._probe, lt, group, keys)
 
     async def _probe(self, lt: LowerTier, group: int, keys: list[bytes]) -> None:
         try:
             async with lt.read_limiter:
                 found = await lt.tier.contains(group, keys)
-            now = time.monotonic()
-            for k, f in zip(keys, found, strict=True):
-                lt.note(k, f, now)
-            lt.stats.probes += len(keys)
+            with self._lock:
+                now = time.monotonic()
+                for k, f in zip(keys, found, strict=True):
+                    lt.note(k, f, now)
+                lt.stats.probes += len(keys)
         except Exception as exc:
             log.warning("probing tier %d (%s) failed: %s", lt.index, lt.tier.describe(), exc)
-            lt.tier.count("probe_errors")
-            now = time.monotonic()
-            for k in keys:
-                lt.note(k, False, now)
+            with self._lock:
+                lt.tier.count("probe_errors")
+                now = time.monotonic()
+                for k in keys:
+                    lt.note(k, False, now)
         finally:
-            lt.probing.difference_update(keys)
-            self._end_background()
-            self._service_queue()
+            with self._lock:
+                lt.probing.difference_update(keys)
+                self._end_background()
+                self._service_queue()
 
     def _begin_background(self) -> None:
         if self._background == 0:
@@ -711,56 +822,64 @@ class TieredStore:
         held by no tier (``out`` rows are then unspecified). With ``request_id``, that request's
         pins on these blocks are dropped once they are copied out.
         """
-        self._check_open()
-        pool, keys = self._keys(group, hashes)
-        self._check_rows(out, len(keys), pool, "out")
-        req = self._request(request_id)
+        with self._lock:
+            self._check_open()
+            pool, keys = self._keys(group, hashes)
+            self._check_rows(out, len(keys), pool, "out")
+            req = self._request(request_id)
         out8 = out.view(torch.uint8).reshape(len(keys), pool.block_bytes)
         todo = list(range(len(keys)))
         missing: list[int] = []
         while todo:
-            ready: list[int] = []
-            absent: list[int] = []
-            waits: list[int] = []
-            for i in todo:
-                s = pool.slot_of(keys[i])
-                if s is None:
-                    absent.append(i)
-                elif pool.state[s] is SlotState.READY:
-                    ready.append(i)
-                else:
-                    waits.append(i)
-            if ready:
-                slots = [pool.index[keys[i]] for i in ready]
-                if len(ready) == len(keys):
-                    pool.read(slots, out8)
-                else:
-                    tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8,
-                                      device=out8.device)
-                    pool.read(slots, tmp)
-                    out8[torch.tensor(ready, device=out8.device)] = tmp
-                for i in ready:
-                    pool.touch(keys[i])
-                self._primary_stats.hits += len(ready)
-                self._primary_stats.bytes_read += len(ready) * pool.block_bytes
-            staged = [i for i in absent if keys[i] in self._staged]
-            for i in staged:
-                out8[i].copy_(self._staged[keys[i]][0])
-            absent = [i for i in absent if keys[i] not in self._staged]
+            with self._lock:
+                absent, waits = self._copy_resident(pool, keys, todo, out8)
             if absent:
                 missing += await self._get_from_lower(group, keys, absent, out8)
-            for i in waits:
-                ev = self._events.get(keys[i])
-                if ev is not None:
-                    await ev.wait()
-            todo = waits
+            for ev in waits.values():
+                await ev.wait()
+            todo = list(waits)
         if req is not None:
-            for k in keys:
-                self._unpin(req, k)
-            self._service_queue()
+            with self._lock:
+                for k in keys:
+                    self._unpin(req, k)
+                self._service_queue()
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
                                f" by no tier", missing=sorted(missing))
+
+    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int],
+                       out8: torch.Tensor) -> tuple[list[int], dict[int, anyio.Event]]:
+        """Copy READY (and staged) rows out; the rows held by no slot, and events to wait for."""
+        ready: list[int] = []
+        absent: list[int] = []
+        waits: dict[int, anyio.Event] = {}
+        for i in todo:
+            s = pool.slot_of(keys[i])
+            if s is None:
+                staged = self._staged.get(keys[i])
+                if staged is not None:
+                    out8[i].copy_(staged[0])
+                else:
+                    absent.append(i)
+            elif pool.state[s] is SlotState.READY:
+                ready.append(i)
+            else:
+                ev = self._events.get(keys[i]) or self._storing.get(keys[i])
+                assert ev is not None, "every WRITING slot has an event"
+                waits[i] = ev
+        if ready:
+            slots = [pool.index[keys[i]] for i in ready]
+            if len(ready) == len(keys):
+                pool.read(slots, out8)
+            else:
+                tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8, device=out8.device)
+                pool.read(slots, tmp)
+                out8[torch.tensor(ready, device=out8.device)] = tmp
+            for i in ready:
+                pool.touch(keys[i])
+            self._primary_stats.hits += len(ready)
+            self._primary_stats.bytes_read += len(ready) * pool.block_bytes
+        return absent, waits
 
     async def _get_from_lower(self, group: int, keys: list[bytes], rows: list[int],
                               out8: torch.Tensor) -> list[int]:
@@ -783,15 +902,17 @@ class TieredStore:
                 lt.tier.count("read_errors")
                 ok = [False] * len(sub)
             got = [j for j, f in enumerate(ok) if f]
-            for j, f in enumerate(ok):
-                lt.note(sub_keys[j], f, now)
-            lt.stats.hits += len(got)
-            lt.stats.misses += len(sub) - len(got)
-            lt.stats.bytes_read += len(got) * pool.block_bytes
             if got:
                 dst = torch.tensor([sub[j] for j in got], device=out8.device)
                 out8[dst] = _rows(buf, got).to(out8.device)
-                self._keep(group, [sub_keys[j] for j in got], _rows(buf, got))
+            with self._lock:
+                for j, f in enumerate(ok):
+                    lt.note(sub_keys[j], f, now)
+                lt.stats.hits += len(got)
+                lt.stats.misses += len(sub) - len(got)
+                lt.stats.bytes_read += len(got) * pool.block_bytes
+                if got:
+                    self._keep(group, [sub_keys[j] for j in got], _rows(buf, got))
             done = {sub[j] for j in got}
             left = [i for i in left if i not in done]
         return left
@@ -809,6 +930,90 @@ class TieredStore:
         pool.mark_ready(got[0])
 
     # ---- stats ----------------------------------------------------------------------------------
+    # ---- slot-level API for engine adapters -----------------------------------------------------
+    @_locked
+    def reserve(self, group: int, hashes: Sequence[bytes]) -> Reservation | None:
+        """Reserve primary slots for blocks an engine is about to write into the pool itself.
+
+        Blocks already held (ready or in flight) are skipped (``slots[i] is None``); the others get
+        WRITING slots, evicting what they must, all or none: None when not enough slots can be had.
+        Reserved blocks are invisible to lookups as HITs until :meth:`commit`.
+        """
+        self._check_open()
+        pool, keys = self._keys(group, hashes)
+        new = [k for k in keys if pool.slot_of(k) is None]
+        got = pool.allocate(new) if new else ([], [])
+        if got is None:
+            return None
+        by_key = dict(zip(new, got[0], strict=True))
+        for k in new:
+            self._storing[k] = anyio.Event()
+        return Reservation(slots=[by_key.get(k) for k in keys], evicted=list(got[1]))
+
+    @_locked
+    def commit(self, group: int, hashes: Sequence[bytes], success: bool = True) -> None:
+        """Complete reserved blocks: READY and cascaded to lower tiers, or freed and forgotten."""
+        self._check_open()
+        pool, keys = self._keys(group, hashes)
+        done_keys, done_slots = [], []
+        for k in keys:
+            ev = self._storing.pop(k, None)
+            if ev is None:
+                continue
+            ev.set()
+            s = pool.slot_of(k)
+            if s is None:
+                continue
+            if success:
+                done_keys.append(k)
+                done_slots.append(s)
+            else:
+                self._drop(group, k)
+        if done_slots:
+            pool.mark_ready(done_slots)
+            self._primary_stats.stores += len(done_slots)
+            self._primary_stats.bytes_written += len(done_slots) * pool.block_bytes
+            self._cascade(group, done_keys, done_slots, None)
+        self._service_queue()
+
+    @_locked
+    def ready_slots(self, group: int, hashes: Sequence[bytes]) -> list[int | None]:
+        """The primary slot of each READY block (None for the others)."""
+        self._check_open()
+        pool, keys = self._keys(group, hashes)
+        return [s if (s := pool.slot_of(k)) is not None and pool.state[s] is SlotState.READY else None
+                for k in keys]
+
+    @_locked
+    def unpin(self, group: int, hashes: Sequence[bytes], request_id: str) -> None:
+        """Drop ``request_id``'s pins on these blocks (it has loaded them)."""
+        self._check_open()
+        _, keys = self._keys(group, hashes)
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.last_seen = time.monotonic()
+            for k in keys:
+                self._unpin(req, k)
+        self._service_queue()
+
+    @_locked
+    def has_pending_work(self) -> bool:
+        """True while cascades, promotions, probes or queued requests are in flight."""
+        return bool(self._cascades or self._background or self._queue)
+
+    @_locked
+    def clear_primary(self) -> int:
+        """Free every READY, unpinned primary slot (lower tiers keep their blocks); how many."""
+        n = 0
+        for pool in self._pools.values():
+            slots = [s for s in range(pool.num_slots)
+                     if pool.state[s] is SlotState.READY and pool.pins[s] == 0]
+            pool.free(slots)
+            n += len(slots)
+        self._service_queue()
+        return n
+
+    @_locked
     def stats(self) -> StoreStats:
         """Counters per tier and per group, the pool plan, lookups and admission state."""
         assert self._primary.plan is not None or not self._open

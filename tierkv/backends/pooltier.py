@@ -6,6 +6,7 @@ drives its pools directly. Used as a lower tier, it behaves like any other tier.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +14,7 @@ from pydantic import field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.errors import ConfigError
-from tierkv.pool import PoolPlan, SlotPool, plan_pools
+from tierkv.pool import PoolPlan, SlotPool, plan_pools, shared_pool_tensors
 
 __all__ = ["CpuTier", "CpuTierConfig", "DeviceTier", "DeviceTierConfig", "PoolTier"]
 
@@ -24,6 +25,10 @@ class CpuTierConfig(TierConfig):
     kind: str = "cpu"
     #: explicit slot counts per group index; honoured even below the computed floor
     slots: dict[int, int] | None = None
+    #: keep the pools in this shared file (e.g. ``/dev/shm/tierkv-<engine>``) so that another
+    #: process (an engine's worker) can map the same slots; removed on close when ``shm_owner``
+    shm_path: str | None = None
+    shm_owner: bool = True
 
 
 class DeviceTierConfig(CpuTierConfig):
@@ -64,14 +69,26 @@ class PoolTier(Tier):
         layout = self.context.layout
         self.plan = plan_pools(self.config.capacity_bytes, layout,
                                self.context.max_concurrent_requests, self.config.slots)
+        shared = None
+        if self.config.shm_path is not None:
+            if device.type != "cpu":
+                raise ConfigError(f"tier {self.kind!r}: shm_path needs a cpu pool, not {device}")
+            shared = shared_pool_tensors(self.config.shm_path, self.plan)
         self.pools = {
-            p.group: SlotPool(p.group, p.block_bytes, p.slots, device, self.context.policy)
+            p.group: SlotPool(p.group, p.block_bytes, p.slots, device, self.context.policy,
+                              tensor=None if shared is None else shared[p.group])
             for p in self.plan.groups
         }
 
     async def close(self) -> None:
-        """Drop the pools."""
+        """Drop the pools (and the shared file, when this tier owns it)."""
         self.pools = {}
+        assert isinstance(self.config, CpuTierConfig)
+        if self.config.shm_path is not None and self.config.shm_owner:
+            try:
+                os.unlink(self.config.shm_path)
+            except FileNotFoundError:
+                pass
 
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Write blocks into slots, evicting as needed; keys without a slot are not stored."""

@@ -1,0 +1,1 @@
+"""Engine adapters. Each lives in its own subpackage and imports its engine lazily."""

@@ -1,0 +1,138 @@
+"""``TierKVOffloadingSpec``: tierkv as vLLM's offloading spec (``spec_name: TierKVOffloadingSpec``).
+
+vLLM builds the spec twice: in its worker (``get_worker``; first) and in its scheduler
+(``get_manager``). The worker measures each group's block bytes from the KV cache tensors, plans the
+pools and publishes the plan in a manifest beside the shared pool file; the scheduler adopts that
+plan, so both sides agree on every slot by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+
+from tierkv.adapters.vllm.config import AdapterConfig
+from tierkv.adapters.vllm.groups import build_layout, infer_group_info
+from tierkv.adapters.vllm.manager import STAT_COUNTERS, STAT_GAUGES, TierKVOffloadingManager
+from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
+from tierkv.errors import ConfigError
+from tierkv.layout import Layout
+from tierkv.pool import plan_pools, shared_pool_tensors
+
+__all__ = ["TierKVOffloadingSpec"]
+
+log = logging.getLogger("tierkv.vllm")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
+    """tierkv's per-group pools and lower tiers behind vLLM's ``OffloadingConnector``."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The counters and gauges ``get_stats`` reports."""
+        out: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingCounterMetadata(documentation=doc) for name, doc in STAT_COUNTERS.items()}
+        out.update({name: OffloadingGaugeMetadata(documentation=doc) for name, doc in STAT_GAUGES.items()})
+        return out
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.settings = AdapterConfig.from_extra(config.extra_config)
+        if self.blocks_per_chunk != 1:
+            raise ConfigError("kv_connector_extra_config.blocks_per_chunk / block_size: tierkv stores one"
+                              " engine block per offload key; leave both unset")
+        tpbs = {int(g.tokens_per_block) for g in config.groups}
+        if len(tpbs) != 1:
+            raise ConfigError(f"offloaded groups have different block sizes {sorted(tpbs)}: tierkv needs one")
+        self.chunk_tokens = tpbs.pop() * self.blocks_per_chunk
+        self.group_ids = [int(g.group_id) for g in config.groups]
+        self.rank = int(config.parallel.rank)
+        self.world_size = int(config.parallel.world_size)
+        engine = _UNSAFE.sub("_", str(config.engine_id))[:96]
+        self.shm_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.pool")
+        self.manifest_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.json")
+        model = config.model
+        self.namespace = "|".join([str(model.name), str(model.dtype), f"ws{self.world_size}",
+                                   self.settings.namespace])
+        self._manager: TierKVOffloadingManager | None = None
+
+    def _layout(self, block_bytes: dict[int, int]) -> Layout:
+        s = self.settings
+        infos = infer_group_info(self.config, self.chunk_tokens, s.group_kinds, s.window_blocks)
+        return build_layout(infos, self.chunk_tokens, block_bytes)
+
+    # ---- worker side -----------------------------------------------------------------------------
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """Measure block bytes, plan the pools, publish the manifest, map the shared pool."""
+        copies = group_copies(kv_caches, self.group_ids)
+        block_bytes = {c.group_id: c.rank_bytes * self.world_size for c in copies}
+        layout = self._layout(block_bytes)
+        plan = plan_pools(self.settings.cpu_bytes_to_use, layout, self.settings.max_concurrent_requests,
+                          self.settings.slots)
+        manifest = {"format": "tierkv-vllm-manifest-v1", "pid": os.getpid(), "time": time.time(),
+                    "layout": layout.model_dump(mode="json"), "slots": plan.slots(),
+                    "plan": plan.model_dump(mode="json")}
+        if self.rank == 0:
+            tmp = f"{self.manifest_path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(manifest, f)
+            os.replace(tmp, self.manifest_path)
+        log.info("tierkv pools: %s", ", ".join(f"group {g.group} {g.kind}: {g.slots} x {g.block_bytes} B"
+                                               for g in plan.groups))
+        pools = shared_pool_tensors(self.shm_path, plan)
+        return TierKVWorker(copies, pools, self.rank)
+
+    # ---- scheduler side --------------------------------------------------------------------------
+    def _read_manifest(self) -> dict[str, Any] | None:
+        deadline = time.monotonic() + self.settings.manifest_timeout_s
+        while True:
+            try:
+                with open(self.manifest_path) as f:
+                    data: dict[str, Any] = json.load(f)
+                return data
+            except (FileNotFoundError, json.JSONDecodeError):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler's manager over the plan the worker published."""
+        if self._manager is not None:
+            return self._manager
+        manifest = self._read_manifest()
+        if manifest is None:
+            per_block = int(self.config.worker_kv_bytes_per_block) * self.world_size
+            log.warning("no tierkv worker manifest at %s: estimating %d bytes per block for every group",
+                        self.manifest_path, per_block)
+            layout = self._layout(dict.fromkeys(self.group_ids, per_block))
+            slots = plan_pools(self.settings.cpu_bytes_to_use, layout,
+                               self.settings.max_concurrent_requests, self.settings.slots).slots()
+        else:
+            layout = Layout.model_validate(manifest["layout"])
+            slots = {int(g): int(n) for g, n in manifest["slots"].items()}
+        s = self.settings
+        store_config = {
+            "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
+            "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
+            "tiers": [{"kind": "cpu", "slots": slots, "shm_path": self.shm_path, "shm_owner": True},
+                      *s.tiers],
+        }
+        self._manager = TierKVOffloadingManager(store_config, self.group_ids,
+                                                enable_events=bool(self.config.enable_kv_cache_events),
+                                                cleanup=[self.manifest_path])
+        return self._manager
