@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -57,6 +58,126 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON is used as such (numbers, objects)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"tierkv: error: storage option {key!r} is not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _fail(exc: BaseException) -> int:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]tierkv: error:[/red] {exc}", markup=True, highlight=False)
+    return 2
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierkv.errors import TierKVError
+    from tierkv.inspect import inspect_tier
+
+    try:
+        report = anyio.run(lambda: inspect_tier(args.url, _storage_options(args.storage_option),
+                                                concurrency=args.concurrency))
+    except TierKVError as exc:
+        return _fail(exc)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    console = Console()
+    console.print(f"[bold]{report.url}[/bold]: {len(report.namespaces)} namespace(s), "
+                  f"{report.temp_files} temporary file(s), {len(report.other_files)} other file(s)",
+                  soft_wrap=True, highlight=False)
+    for ns in report.namespaces:
+        title = (f"{ns.namespace!r} ({ns.fingerprint})" if ns.namespace is not None
+                 else f"{ns.fingerprint} (layout.json {ns.manifest})")
+        table = Table(title=title)
+        for col in ("group", "kind", "block bytes", "records", "on disk", "raw", "codec ratio", "codecs"):
+            table.add_column(col)
+        for g in ns.groups:
+            codecs = ", ".join(f"{k} {v}" for k, v in sorted(g.codecs.items()))
+            if g.bad_headers:
+                codecs += f" ({g.bad_headers} unreadable)"
+            table.add_row(str(g.group), g.kind or "?", str(g.block_bytes or "?"), str(g.records),
+                          _human_bytes(g.bytes_on_disk), _human_bytes(g.raw_bytes),
+                          _ratio(g.codec_ratio), codecs)
+        table.add_row("all", "", "", str(ns.records), _human_bytes(ns.bytes_on_disk),
+                      _human_bytes(ns.raw_bytes), _ratio(ns.codec_ratio), "", style="bold")
+        console.print(table)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from tierkv.errors import TierKVError
+    from tierkv.inspect import verify_tier
+
+    console = Console(stderr=True)
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("verifying records", total=None)
+            report = anyio.run(lambda: verify_tier(
+                args.url, _storage_options(args.storage_option), repair=args.repair,
+                stale_temp_s=args.stale_temp_s, max_block_bytes=args.max_block_bytes,
+                concurrency=args.concurrency, progress=lambda n: progress.advance(task, n),
+                on_total=lambda n: progress.update(task, total=n)))
+    except TierKVError as exc:
+        return _fail(exc)
+    rc = 0 if report.clean else 1
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return rc
+    out = Console()
+    for p in report.corrupt:
+        state = "removed" if p.removed else "CORRUPT"
+        out.print(f"{state:8} {p.path}: {p.reason} {p.detail}", highlight=False, markup=False, soft_wrap=True)
+    for p in report.errors:
+        out.print(f"ERROR    {p.path}: {p.detail}", highlight=False, markup=False, soft_wrap=True)
+    for t in report.temp_files:
+        state = "removed" if t.removed else ("stale" if t.stale else "in use")
+        out.print(f"{state:8} {t.path} (temporary, {t.age_s:.0f} s old)", highlight=False, markup=False,
+                  soft_wrap=True)
+    out.print(f"{report.url}: {report.checked} records checked, {report.ok} sound, "
+              f"{len(report.corrupt)} corrupt ({len(report.remaining)} remaining), "
+              f"{len(report.errors)} unreadable, {len(report.temp_files)} temporary file(s), "
+              f"{len(report.removed)} removed", highlight=False, markup=False, soft_wrap=True)
+    if report.remaining and not args.repair:
+        out.print("run again with --repair to delete the corrupt records", highlight=False, soft_wrap=True)
+    return rc
+
+
+def _add_url_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="root of a persistent tier: a path or any fsspec URL (file://, s3://, ...)")
+    p.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable), e.g. -o endpoint_url=http://host:9000")
+    p.add_argument("--concurrency", type=int, default=16, help="requests / threads in flight")
+    p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tierkv`` command."""
     p = argparse.ArgumentParser(prog="tierkv", description="tiered KV-cache store")
@@ -69,6 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower tier: an fsspec URL, or 'memory' (default: a temporary directory)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_demo)
+    i = sub.add_parser("inspect", help="namespaces, groups, record counts, bytes and codec ratios of a tier")
+    _add_url_options(i)
+    i.set_defaults(func=_cmd_inspect)
+    v = sub.add_parser("verify", help="check every record of a tier; --repair deletes corrupt ones",
+                       description="Check every record (checksum, decoding, key / fingerprint / group "
+                                   "against its path). Exit status 0 when clean or repaired, 1 when "
+                                   "corrupt or unreadable records remain, 2 on errors.")
+    _add_url_options(v)
+    v.add_argument("--repair", action="store_true",
+                   help="delete corrupt records and stale temporary files")
+    v.add_argument("--stale-temp-s", type=float, default=3600.0,
+                   help="temporary files older than this are stale even when their writer may live")
+    v.add_argument("--max-block-bytes", type=int, default=1 << 30,
+                   help="bound on a block's size for namespaces without a readable layout.json")
+    v.set_defaults(func=_cmd_verify)
     return p
 
 

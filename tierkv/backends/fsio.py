@@ -98,6 +98,8 @@ class Driver:
 
 
 def _chunks(n: int, parts: int) -> list[range]:
+    if n <= 0:
+        return []
     parts = max(1, min(parts, n))
     step = -(-n // parts)
     return [range(i, min(n, i + step)) for i in range(0, n, step)]
@@ -118,7 +120,13 @@ class LocalDriver(Driver):
             os.makedirs(d, exist_ok=True)
             self._dirs.add(d)
         tmp = temp_name(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            # the directory vanished under us (another process or tool removed it): recreate it
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
         try:
             bufs = data if isinstance(data, list) else [data]
             total = sum(memoryview(b).nbytes for b in bufs)
@@ -136,10 +144,8 @@ class LocalDriver(Driver):
         os.close(fd)
         try:
             os.replace(tmp, path)
-        except FileNotFoundError:
-            # the directory vanished under us (another process cleaned it): recreate once
+        except BaseException:
             _unlink_quiet(tmp)
-            self._dirs.discard(d)
             raise
         if self.fsync:
             dfd = os.open(d, os.O_RDONLY)
@@ -265,7 +271,7 @@ class SyncDriver(Driver):
             try:
                 await self._call(self._write_one, path, data)
                 out.append(None)
-            except OSError as exc:
+            except Exception as exc:  # any file system's error is this item's failure
                 out.append(exc)
         return out
 
@@ -282,7 +288,7 @@ class SyncDriver(Driver):
         for p in paths:
             try:
                 out.append(await self._call(self._read_one, p, limit))
-            except OSError as exc:
+            except Exception as exc:
                 out.append(exc)
         return out
 
@@ -322,16 +328,22 @@ class AsyncDriver(Driver):
         super().__init__(limiter)
         self.fs = fs
 
-    async def _gather(self, fn: Callable[..., Any], args: list[tuple[Any, ...]]) -> list[Any]:
+    async def _gather(self, fn: Callable[..., Any], args: list[tuple[Any, ...]],
+                      absent_ok: bool = True) -> list[Any]:
+        """``fn(*a)`` for each ``a``, concurrently; per call its result, or the error it raised.
+
+        With ``absent_ok`` a FileNotFoundError is a None result (reads, probes, deletes); for writes
+        it is an error like any other (s3fs raises it when the bucket does not exist).
+        """
         results: list[Any] = [None] * len(args)
 
         async def one(i: int) -> None:
             async with self.limiter:
                 try:
                     results[i] = await fn(*args[i])
-                except FileNotFoundError:
-                    results[i] = None
-                except OSError as exc:
+                except FileNotFoundError as exc:
+                    results[i] = None if absent_ok else exc
+                except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
                     results[i] = exc
 
         async with anyio.create_task_group() as tg:
@@ -346,11 +358,16 @@ class AsyncDriver(Driver):
             blob = data if isinstance(data, bytes) else b"".join(bytes(b) for b in data)
             await self.fs._pipe_file(path, blob)
 
-        return await self._gather(put, list(items))
+        return await self._gather(put, list(items), absent_ok=False)
 
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Ranged GETs of at most ``limit + 1`` bytes."""
-        return await self._gather(self.fs._cat_file, [(p, 0, limit + 1) for p in paths])
+        # keywords: s3fs's _cat_file takes (path, version_id, start, end), others (path, start, end)
+        async def cat(path: str) -> bytes:
+            data: bytes = await self.fs._cat_file(path, start=0, end=limit + 1)
+            return data
+
+        return await self._gather(cat, [(p,) for p in paths])
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """HEAD requests."""

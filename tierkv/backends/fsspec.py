@@ -6,8 +6,18 @@ what an earlier one wrote with no index to rebuild; a different layout or namesp
     <root>/<fingerprint>/g<group:08x>/<kk>/<kk>/<key hex>.tkv
     <root>/<fingerprint>/layout.json          (layout and namespace, for `tierkv inspect`)
 
-Capacity: this process keeps an LRU of the records it knows; after a restart a background scan
-adds the records already there (oldest first) and evicts down to ``capacity_bytes``.
+Publishing is atomic: a unique temporary name in the same directory
+(``.<name>.tkvtmp-<host>-<pid>-<random>``), then a rename, on file systems; one PUT on object
+stores. The background scan removes temporary files whose writer is dead (same host) or that are
+older than ``stale_temp_s``; so does ``tierkv verify --repair``.
+
+Capacity: this process keeps an LRU of the records it knows (its own writes, records it read,
+and, once the background scan has run, every record there, oldest first by modification time) and
+deletes the least recently used past ``capacity_bytes``. Processes sharing one directory or bucket
+each bound what they know; a record another process deleted is a miss, never an error.
+
+Credentials (URL user info, secret ``storage_options``) never appear in ``repr``, ``describe()``,
+logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :class:`Redactor`).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 import numpy as np
@@ -27,11 +37,12 @@ from pydantic import Field
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.fsio import TEMP_MARK, AsyncDriver, Driver, LocalDriver, SyncDriver, temp_owner_alive
-from tierkv.errors import BackendNotFound, ConfigError, CorruptRecord
+from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.keys import key_relpath, split_key
 from tierkv.record import decode_record, encode_record
 
-__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "record_path", "redact_url"]
+__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "open_driver", "record_path",
+           "redact_url"]
 
 log = logging.getLogger("tierkv.fsspec")
 
@@ -39,6 +50,8 @@ RECORD_SUFFIX = ".tkv"
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
+#: batches of codec ``none`` up to this size are encoded / checked in the event loop thread
+INLINE_CODEC_BYTES = 1 << 20
 
 
 class FsspecTierConfig(TierConfig):
@@ -58,13 +71,19 @@ class FsspecTierConfig(TierConfig):
     #: rebuild capacity accounting in the background after start
     scan_on_open: bool = True
 
+    def __repr_args__(self) -> Any:
+        """Fields for ``repr``/``str``: the URL without credentials, never the storage options."""
+        for name, value in super().__repr_args__():
+            if name == "url" and isinstance(value, str):
+                value = redact_url(value)
+            if name != "storage_options":
+                yield name, value
+
 
 def redact_url(url: str) -> str:
     """``url`` without user info (credentials) or query string."""
     parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
+    netloc = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
@@ -73,12 +92,99 @@ def record_path(root: str, fingerprint: str, key: bytes) -> str:
     return f"{root}/{fingerprint}/{key_relpath(key)}{RECORD_SUFFIX}"
 
 
+#: storage option names whose values are credentials (matched as substrings, lower case)
+_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session",
+                 "signature", "sas", "private")
+
+
+class Redactor:
+    """Removes the credentials of one tier (URL user info, secret storage options) from text."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        found: set[str] = set()
+        self._collect_url(url, found)
+        self._collect(storage_options, False, found)
+        #: longest first, so that a secret containing another is removed whole
+        self.secrets = sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
+
+    @staticmethod
+    def _collect_url(url: str, found: set[str]) -> None:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            return
+        for v in (parts.username, parts.password):
+            if v:
+                found.update((v, unquote(v)))
+        if parts.query:
+            found.add(parts.query)
+
+    def _collect(self, value: Any, secret: bool, found: set[str]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = str(k).lower()
+                self._collect(v, secret or any(w in name for w in _SECRET_WORDS), found)
+        elif isinstance(value, (list, tuple, set)):
+            for v in value:
+                self._collect(v, secret, found)
+        elif isinstance(value, (str, bytes)):
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            if secret:
+                found.add(text)
+            elif "@" in text or "?" in text:
+                self._collect_url(text, found)
+        elif secret and value is not None and not isinstance(value, (bool, int, float)):
+            found.add(str(value))
+
+    def __call__(self, text: str) -> str:
+        """``text`` with every credential replaced by ``***``."""
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, "***")
+        return text
+
+    def error(self, exc: BaseException) -> str:
+        """A one-line description of ``exc`` (the first leaf of an exception group), redacted."""
+        while isinstance(getattr(exc, "exceptions", None), (list, tuple)) and exc.exceptions:  # type: ignore[attr-defined]
+            exc = exc.exceptions[0]  # type: ignore[attr-defined]
+        if isinstance(exc, OSError) and exc.strerror:
+            text = f"{type(exc).__name__}: [{exc.errno}] {exc.strerror}"
+        else:
+            text = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return self(text)
+
+
+def _split_userinfo(url: str, protocol: str,
+                    storage_options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """For file and S3 URLs, ``url`` without user info; for S3 the user info becomes the ``key`` and
+    ``secret`` options (unless set). Other protocols get the URL as fsspec would (sftp, ftp, http
+    parse user info themselves); the tier's :class:`Redactor` keeps it out of messages.
+    """
+    parts = urlsplit(url)
+    if "@" not in parts.netloc or protocol not in ("s3", "s3a", "file", "local"):
+        return url, storage_options
+    opts = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        if parts.username:
+            opts.setdefault("key", unquote(parts.username))
+        if parts.password:
+            opts.setdefault("secret", unquote(parts.password))
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
+
+
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
                 threads: int, fsync: bool) -> tuple[Driver, str]:
-    """The driver and root path for ``url``. Must run inside the event loop (async file systems)."""
+    """The driver and root path for ``url``. Must run inside the event loop (async file systems).
+
+    User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
+    storage options (explicit ``storage_options`` win); in a file URL it is ignored.
+    """
     parts = urlsplit(url)
     protocol = parts.scheme or "file"
+    url, storage_options = _split_userinfo(url, protocol, storage_options)
     if protocol in ("file", "local"):
+        parts = urlsplit(url)
         root = (parts.netloc + parts.path) if parts.scheme else url
         if not root.startswith("/"):
             import os
@@ -93,17 +199,28 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         extra = EXTRA_FOR_PROTOCOL.get(protocol)
         hint = f"; install it with: pip install 'tierkv[{extra}]'" if extra else ""
         raise BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}") from None
+    try:
+        from_url = cls._get_kwargs_from_urls(url)
+    except Exception:
+        from_url = {}
+    options = {**from_url, **storage_options}
     if getattr(cls, "async_impl", False):
-        fs = cls(asynchronous=True, skip_instance_cache=True, **storage_options)
+        fs = cls(asynchronous=True, skip_instance_cache=True, **options)
         root = cls._strip_protocol(url).rstrip("/")
         return AsyncDriver(limiter, fs), root
-    fs = cls(skip_instance_cache=True, **storage_options)
+    fs = cls(skip_instance_cache=True, **options)
     root = "/" + cls._strip_protocol(url).strip("/")
     return SyncDriver(limiter, fs, inline=protocol == "memory"), root
 
 
 class FsspecTier(Tier):
-    """Records on a file system or object store, through fsspec (or os calls for local paths)."""
+    """Records on a file system or object store, through fsspec (or os calls for local paths).
+
+    Every failure of the file system inside ``put`` / ``get`` / ``contains`` is either a per-key
+    ``False`` (counted in ``counters``) or a :class:`~tierkv.errors.BackendError` whose message
+    holds no credentials. A damaged record is a counted miss (``corrupt``, ``corrupt_<reason>``)
+    and is removed.
+    """
 
     kind = "fsspec"
     capabilities = Capabilities(persistent=True, fast_contains=False)
@@ -115,6 +232,7 @@ class FsspecTier(Tier):
         self.cfg = config
         if config.capacity_bytes is not None and config.capacity_bytes <= 0:
             raise ConfigError(f"fsspec tier {redact_url(config.url)}: capacity_bytes must be > 0")
+        self._redact = Redactor(config.url, config.storage_options)
         self._driver: Driver | None = None
         self.root = ""
         self._known: OrderedDict[bytes, int] = OrderedDict()
@@ -141,18 +259,42 @@ class FsspecTier(Tier):
         """Where ``key``'s record lives."""
         return record_path(self.root, self.context.fingerprint, key)
 
+    def _error(self, what: str, exc: BaseException) -> BackendError:
+        return BackendError(f"{what} on {self.describe()} failed: {self._redact.error(exc)}")
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        log.warning("%s on %s failed: %s", what, self.describe(), self._redact.error(exc))
+
     async def open(self) -> None:
-        """Connect, write the namespace manifest, clean stale temporary files, start the scan."""
+        """Connect and write the namespace manifest (``layout.json``).
+
+        Raises :class:`~tierkv.errors.BackendError` (no credentials in it) when the file system
+        cannot be reached or written.
+        """
         limiter = anyio.CapacityLimiter(max(1, self.cfg.io_threads))
-        self._driver, self.root = open_driver(self.cfg.url, self.cfg.storage_options, limiter,
-                                              self.cfg.io_threads, self.cfg.fsync)
-        if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
-            await self._driver.fs.set_session()
-        manifest = json.dumps({"format": "tierkv-namespace-v1", "namespace": self.context.namespace,
-                               "fingerprint": self.context.fingerprint,
-                               "layout": self.context.layout.model_dump(mode="json")},
-                              sort_keys=True, indent=1).encode()
-        await self.driver.write_small(f"{self.ns_root}/layout.json", manifest)
+        try:
+            self._driver, self.root = open_driver(self.cfg.url, self.cfg.storage_options, limiter,
+                                                  self.cfg.io_threads, self.cfg.fsync)
+            if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
+                await self._driver.fs.set_session()
+            manifest = json.dumps({"format": "tierkv-namespace-v1", "namespace": self.context.namespace,
+                                   "fingerprint": self.context.fingerprint,
+                                   "layout": self.context.layout.model_dump(mode="json")},
+                                  sort_keys=True, indent=1).encode()
+            await self.driver.write_small(f"{self.ns_root}/layout.json", manifest)
+        except BackendNotFound:
+            await self._close_quietly()
+            raise
+        except Exception as exc:
+            await self._close_quietly()
+            raise self._error("opening the tier", exc) from None
+
+    async def _close_quietly(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.close()
+            except Exception:
+                self._driver = None
 
     async def background(self) -> None:
         """Rebuild capacity accounting and remove stale temporary files (the store runs this)."""
@@ -163,15 +305,20 @@ class FsspecTier(Tier):
     async def close(self) -> None:
         """Close connections."""
         if self._driver is not None:
-            await self._driver.close()
-            self._driver = None
+            driver, self._driver = self._driver, None
+            await driver.close()
 
     async def wait_scanned(self) -> None:
-        """Wait until capacity accounting has been rebuilt from what the tier holds."""
+        """Wait until :meth:`background` has rebuilt capacity accounting (it must be running)."""
         await self._scan_done.wait()
 
     async def scan(self) -> None:
-        """List the namespace: account for records already there, remove stale temporaries."""
+        """List the namespace: account for records already there, remove stale temporaries.
+
+        Temporary files whose writer is known dead (same host, pid gone) are removed at once;
+        those of live or remote writers once older than ``stale_temp_s``. Records are added to
+        the LRU oldest first (by modification time), then the tier is evicted down to capacity.
+        """
         try:
             entries = await self.driver.listdir(self.ns_root)
             now = time.time()
@@ -206,7 +353,7 @@ class FsspecTier(Tier):
             self.count("scanned", len(found))
             await self._evict()
         except Exception as exc:
-            log.warning("scan of %s failed: %s", self.describe(), exc)
+            self._warn("scanning the namespace", exc)
             self.count("scan_errors")
         finally:
             self._scan_done.set()
@@ -235,7 +382,11 @@ class FsspecTier(Tier):
                     key, size = self._known.popitem(last=False)
                     self._used -= size
                     victims.append(key)
-                await self.driver.delete_many([self.path(k) for k in victims])
+                try:
+                    await self.driver.delete_many([self.path(k) for k in victims])
+                except Exception as exc:
+                    self._warn("evicting records", exc)
+                    self.count("evict_errors")
                 self.count("evictions", len(victims))
         finally:
             self._evicting = False
@@ -248,22 +399,31 @@ class FsspecTier(Tier):
                 for i, k in enumerate(keys)]
 
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
-        """Encode each block into a record and publish it atomically."""
+        """Encode each block into a record and publish it atomically; per key, whether it is stored."""
+        try:
+            return await self._put(keys, blocks)
+        except Exception as exc:
+            raise self._error("storing records", exc) from None
+
+    async def _put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
-        if self.cfg.codec == "none":
+        if self.cfg.codec == "none" and rows.nbytes <= INLINE_CODEC_BYTES:
             records = self._encode(keys, rows)
         else:
             records = await self.driver.run(self._encode, keys, rows)
-        errors = await self.driver.write_many([(self.path(k), r) for k, r in zip(keys, records, strict=True)])
-        ok = []
-        for k, r, err in zip(keys, records, errors, strict=True):
+        cap = self.cfg.capacity_bytes
+        todo = [i for i, r in enumerate(records) if cap is None or len(r) <= cap]
+        errors = await self.driver.write_many([(self.path(keys[i]), records[i]) for i in todo])
+        ok = [False] * len(keys)
+        for i, err in zip(todo, errors, strict=True):
             if err is None:
-                self._remember(k, len(r))
-                ok.append(True)
+                self._remember(keys[i], len(records[i]))
+                ok[i] = True
             else:
                 self.count("write_errors")
-                log.warning("writing a record to %s failed: %s", self.describe(), _safe(err))
-                ok.append(False)
+                self._warn("writing a record", err)
+        if len(todo) < len(keys):
+            self.count("too_large", len(keys) - len(todo))
         await self._evict()
         return ok
 
@@ -284,25 +444,36 @@ class FsspecTier(Tier):
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         """Read, verify and decode records into ``out``; a damaged record is a counted miss, removed."""
+        try:
+            return await self._get(keys, out)
+        except Exception as exc:
+            raise self._error("reading records", exc) from None
+
+    async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         out8 = out.view(torch.uint8).reshape(len(keys), -1)
         block_bytes = out8.shape[1]
         datas = await self.driver.read_many([self.path(k) for k in keys], block_bytes + RECORD_OVERHEAD)
         np_out = out8.numpy()
-        if self.cfg.codec == "none":
+        if self.cfg.codec == "none" and np_out.nbytes <= INLINE_CODEC_BYTES:
             verdicts = self._decode_into(keys, datas, np_out, block_bytes)
         else:
             verdicts = await self.driver.run(self._decode_into, keys, datas, np_out, block_bytes)
         found, corrupt = [], []
+        learned = False
         for k, data, v in zip(keys, datas, verdicts, strict=True):
             if v == "":
                 found.append(True)
                 if k in self._known:
                     self._known.move_to_end(k)
+                elif isinstance(data, bytes):
+                    # written by another process (or before a restart, not scanned yet)
+                    self._remember(k, len(data))
+                    learned = True
                 continue
             found.append(False)
             if isinstance(data, BaseException):
                 self.count("read_errors")
-                log.warning("reading a record from %s failed: %s", self.describe(), _safe(data))
+                self._warn("reading a record", data)
             elif data is None:
                 self._forget(k)
             else:
@@ -316,23 +487,34 @@ class FsspecTier(Tier):
             try:
                 await self.driver.delete_many([self.path(k) for k in corrupt])
                 self.count("corrupt_removed", len(corrupt))
-            except OSError as exc:
-                log.warning("removing corrupt records from %s failed: %s", self.describe(), _safe(exc))
+            except Exception as exc:
+                self._warn("removing corrupt records", exc)
+        if learned:
+            await self._evict()
         return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Whether each record exists (a later ``get`` still verifies it)."""
-        return await self.driver.exists_many([self.path(k) for k in keys])
+        try:
+            return await self.driver.exists_many([self.path(k) for k in keys])
+        except Exception as exc:
+            raise self._error("probing records", exc) from None
 
     async def delete(self, group: int, keys: Sequence[bytes]) -> None:
         """Remove records."""
         for k in keys:
             self._forget(k)
-        await self.driver.delete_many([self.path(k) for k in keys])
+        try:
+            await self.driver.delete_many([self.path(k) for k in keys])
+        except Exception as exc:
+            raise self._error("deleting records", exc) from None
 
     async def list_keys(self, group: int) -> list[bytes]:
         """Keys of every record of ``group`` in this namespace."""
-        entries = await self.driver.listdir(f"{self.ns_root}/g{group:08x}")
+        try:
+            entries = await self.driver.listdir(f"{self.ns_root}/g{group:08x}")
+        except Exception as exc:
+            raise self._error("listing records", exc) from None
         keys = []
         for e in entries:
             name = e.path.rpartition("/")[2]
@@ -346,10 +528,3 @@ class FsspecTier(Tier):
     def used_bytes(self) -> int:
         """Bytes of the records this process knows of (all of them once the scan is done)."""
         return self._used
-
-
-def _safe(exc: BaseException) -> str:
-    """An error message with no credentials: the exception type and its errno/strerror only."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{type(exc).__name__}: [{exc.errno}] {exc.strerror}"
-    return f"{type(exc).__name__}: {str(exc)[:200]}"

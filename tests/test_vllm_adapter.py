@@ -1,0 +1,237 @@
+"""TierKVOffloadingSpec against vLLM's own types, without an engine: manager and worker contract."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+base = pytest.importorskip("vllm.v1.kv_offload.base")  # installed by `scripts/dev test` where there is no GPU
+vcfg = pytest.importorskip("vllm.v1.kv_offload.config")
+
+from tierkv.adapters.vllm import TierKVOffloadingSpec  # noqa: E402
+from tierkv.errors import ConfigError  # noqa: E402
+
+LookupResult = base.LookupResult
+PAGE = 4096
+NUM_BLOCKS = 64
+
+
+def offloading_config(tmp_path: Path, groups: list[tuple[int, int]], extra: dict[str, Any],
+                      engine: str) -> Any:
+    """An OffloadingConfig as vLLM builds it: only offloaded groups, original group ids."""
+    return vcfg.OffloadingConfig(
+        groups=tuple(vcfg.OffloadingGroupConfig(tokens_per_block=tpb, layer_names=(f"model.layers.{gid}.attn",),
+                                                group_id=gid) for gid, tpb in groups),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 1 << 20, "shm_dir": str(tmp_path / "shm"),
+                      "tiers": [{"kind": "fsspec", "url": f"file://{tmp_path / 'tier'}"}],
+                      "manifest_timeout_s": 0.0, **extra},
+        engine_id=engine, model=vcfg.OffloadingModelConfig(name="tiny", dtype="bfloat16"),
+        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=vcfg.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
+                                               dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                               data_parallel_rank_local=None, is_parallelism_agnostic=True))
+
+
+def kv_caches(n_groups: int) -> tuple[Any, torch.Tensor]:
+    """One shared int8 [blocks, page] tensor, one layer per offloaded group (like Gemma3)."""
+    t = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8)
+    caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE)],
+                                    group_data_refs=[[base.CanonicalKVCacheRef(tensor_idx=0,
+                                                                               page_size_bytes=PAGE)]
+                                                     for _ in range(n_groups)])
+    return caches, t
+
+
+class Engine:
+    """Spec, worker and manager wired as vLLM wires them (worker first)."""
+
+    def __init__(self, tmp_path: Path, groups: list[tuple[int, int]], extra: dict[str, Any] | None = None,
+                 engine: str = "engine-a") -> None:
+        os.makedirs(tmp_path / "shm", exist_ok=True)
+        self.cfg = offloading_config(tmp_path, groups, extra or {}, engine)
+        self.caches, self.gpu = kv_caches(len(groups))
+        self.worker = TierKVOffloadingSpec(self.cfg).get_worker(self.caches)
+        self.spec = TierKVOffloadingSpec(self.cfg)
+        self.manager = self.spec.get_manager()
+        self.job = 0
+
+    def store(self, keys: list[bytes], blocks: list[int], group_sizes: list[int], ctx: Any) -> Any:
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None or not out.keys_to_store:
+            return out
+        self.job += 1
+        assert self.worker.submit_store(self.job, base.GPULoadStoreSpec(blocks, group_sizes, [0] * len(group_sizes)),
+                                        out.store_spec)
+        assert [r.job_id for r in self.worker.get_finished()] == [self.job]
+        self.manager.complete_store(out.keys_to_store, ctx)
+        return out
+
+    def load(self, keys: list[bytes], blocks: list[int], group_sizes: list[int], ctx: Any) -> None:
+        spec = self.manager.prepare_load(keys, ctx)
+        self.job += 1
+        assert self.worker.submit_load(self.job, spec, base.GPULoadStoreSpec(blocks, group_sizes,
+                                                                             [0] * len(group_sizes)))
+        res = self.worker.get_finished()
+        assert len(res) == 1 and res[0].success
+        self.manager.complete_load(keys, ctx)
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
+def settle(manager: Any) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while manager.has_pending_work() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not manager.has_pending_work()
+
+
+def key(i: int, group: int) -> bytes:
+    return base.make_offload_key(i.to_bytes(32, "big"), group)
+
+
+def ctx(rid: str) -> Any:
+    return base.ReqContext(req_id=rid)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    e = Engine(tmp_path, [(0, 16), (1, 16)])
+    yield e
+    e.close()
+
+
+def test_store_then_load_round_trips_the_bytes(engine: Engine) -> None:
+    keys = [key(i, 0) for i in range(3)] + [key(i, 1) for i in range(3)]
+    c = ctx("r1")
+    # the disk tier may hold them: RETRY while its presence is probed, then MISS
+    assert [engine.manager.lookup(k, c) for k in keys] == [LookupResult.RETRY] * 6
+    settle(engine.manager)
+    assert [engine.manager.lookup(k, c) for k in keys] == [LookupResult.MISS] * 6
+    src = [1, 2, 3, 4, 5, 6]
+    want = engine.gpu[src].clone()
+    out = engine.store(keys, src, [3, 3], c)
+    assert out.keys_to_store == keys and out.evicted_keys == []
+    assert [engine.manager.lookup(k, ctx("r2")) for k in keys] == [LookupResult.HIT] * 6
+    dst = [40, 41, 42, 43, 44, 45]
+    engine.load(keys, dst, [3, 3], ctx("r2"))
+    assert torch.equal(engine.gpu[dst], want)
+
+
+def test_keys_already_held_are_not_stored_again(engine: Engine) -> None:
+    keys = [key(i, 0) for i in range(2)]
+    engine.store(keys, [1, 2], [2, 0], ctx("a"))
+    again = engine.manager.prepare_store(keys + [key(9, 0)], ctx("b"))
+    assert again is not None and again.keys_to_store == [key(9, 0)]
+    engine.manager.complete_store(again.keys_to_store, ctx("b"), success=False)
+
+
+def test_a_failed_store_never_becomes_visible(engine: Engine) -> None:
+    c = ctx("r")
+    out = engine.manager.prepare_store([key(7, 0)], c)
+    assert engine.manager.lookup(key(7, 0), ctx("x")) is LookupResult.HIT_PENDING
+    engine.manager.complete_store(out.keys_to_store, c, success=False)
+    assert engine.manager.lookup(key(7, 0), ctx("y")) is LookupResult.RETRY  # only the disk may have it
+    settle(engine.manager)
+    assert engine.manager.lookup(key(7, 0), ctx("y")) is LookupResult.MISS
+
+
+def test_prepare_store_is_none_only_when_nothing_can_be_evicted(tmp_path: Path) -> None:
+    e = Engine(tmp_path, [(0, 16)], {"slots": {"0": 2}}, engine="small")
+    try:
+        first = e.manager.prepare_store([key(1, 0), key(2, 0)], ctx("a"))
+        assert first is not None
+        assert e.manager.prepare_store([key(3, 0)], ctx("b")) is None  # both slots being written
+        e.manager.complete_store(first.keys_to_store, ctx("a"))
+        settle(e.manager)  # the cascades to disk, which read the slots, are done
+        later = e.manager.prepare_store([key(3, 0)], ctx("b"))
+        assert later is not None and len(later.evicted_keys) == 1
+        events = list(e.manager.take_events())
+        assert any(ev.removed for ev in events) and any(not ev.removed for ev in events)
+    finally:
+        e.close()
+
+
+def test_a_looked_up_hit_is_pinned_until_the_request_loads_it(tmp_path: Path) -> None:
+    e = Engine(tmp_path, [(0, 16)], {"slots": {"0": 2}}, engine="pins")
+    try:
+        e.store([key(1, 0), key(2, 0)], [1, 2], [2], ctx("w"))
+        settle(e.manager)
+        c = ctx("reader")
+        assert e.manager.lookup(key(1, 0), c) is LookupResult.HIT
+        # another request's stores need room: only the unpinned block may go
+        out = e.manager.prepare_store([key(3, 0)], ctx("other"))
+        assert out is not None and out.evicted_keys == [key(2, 0)]
+        e.load([key(1, 0)], [50], [1], c)
+        assert torch.equal(e.gpu[50], e.gpu[1])
+    finally:
+        e.close()
+
+
+def test_blocks_come_back_from_disk_in_a_new_engine(tmp_path: Path) -> None:
+    first = Engine(tmp_path, [(0, 16), (1, 16)], engine="one")
+    keys = [key(i, 0) for i in range(4)]
+    first.store(keys, [1, 2, 3, 4], [4, 0], ctx("w"))
+    want = first.gpu[[1, 2, 3, 4]].clone()
+    first.close()  # flushes the cascade to the file tier
+    second = Engine(tmp_path, [(0, 16), (1, 16)], engine="two")
+    try:
+        c = ctx("r")
+        assert [second.manager.lookup(k, c) for k in keys] == [LookupResult.RETRY] * 4  # probing
+        settle(second.manager)
+        assert [second.manager.lookup(k, c) for k in keys] == [LookupResult.HIT_PENDING] * 4  # promoting
+        settle(second.manager)
+        assert [second.manager.lookup(k, c) for k in keys] == [LookupResult.HIT] * 4
+        second.load(keys, [20, 21, 22, 23], [4, 0], c)
+        assert torch.equal(second.gpu[[20, 21, 22, 23]], want)
+        stats = second.manager.get_stats()
+        assert stats is not None and not stats.is_empty()
+    finally:
+        second.close()
+
+
+def test_scratch_group_from_the_report_gets_no_keys_slots_or_files(tmp_path: Path) -> None:
+    """Full attention (block 16) + circular-buffer scratch (block 4, not offloaded) + Mamba in align
+    mode (block 16) at indices 0, 1, 2: vLLM hands over groups 0 and 2 only."""
+    e = Engine(tmp_path, [(0, 16), (2, 16)], {"group_kinds": {"2": "recurrent"}}, engine="report")
+    try:
+        layout = e.manager.layout
+        assert [g.kind for g in layout.groups] == ["full", "scratch", "recurrent"]
+        assert sorted(e.manager.store.pools) == [0, 2]
+        assert e.manager.lookup(key(1, 1), ctx("r")) is LookupResult.MISS
+        e.store([key(1, 0), key(1, 2)], [3, 4], [1, 1], ctx("w"))
+        e.manager.store.stats()
+    finally:
+        e.close()
+    files = [p for p in (tmp_path / "tier").rglob("*.tkv")]
+    assert len(files) == 2
+    assert {p.parts[-4] for p in files} == {"g00000000", "g00000002"}
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.cpu_bytes_to_use"):
+        TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"cpu_bytes_to_use": 0}, "bad"))
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.tiers.0.url"):
+        TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"tiers": [{"kind": "fsspec"}]}, "bad"))
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.bogus"):
+        TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"bogus": 1}, "bad"))
+
+
+def test_shutdown_removes_the_shared_segment_and_a_stale_one_does_not_break_a_start(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "tierkv-stale.pool").write_bytes(b"\0" * 123)  # a crashed engine's segment, wrong size
+    (shm / "tierkv-stale.json").write_text("{not json")
+    e = Engine(tmp_path, [(0, 16)], engine="stale")
+    e.store([key(1, 0)], [1], [1], ctx("w"))
+    assert e.manager.lookup(key(1, 0), ctx("r")) is LookupResult.HIT
+    e.close()
+    assert not list(shm.iterdir())

@@ -1,0 +1,487 @@
+"""What ``tierkv inspect`` and ``tierkv verify`` do: walk a persistent tier's root, read records.
+
+Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsspec.open_driver`:
+os calls for local paths, async s3fs for S3, any other fsspec file system) and classify what they
+list, relative to the root::
+
+    <fingerprint>/layout.json                               namespace manifest
+    <fingerprint>/g<group:08x>/<kk>/<kk>/<key hex>.tkv      a record
+    ... .<name>.tkvtmp-<host>-<pid>-<random>                a temporary file of a writer
+    anything else                                           an "other" file (never touched)
+
+:func:`inspect_tier` reads only record headers (namespaces, groups, record counts, bytes on disk,
+raw bytes, codec ratio). :func:`verify_tier` checks every record completely
+(:func:`~tierkv.record.verify_record`: structure, sizes, checksum, decoding) and that its key,
+fingerprint and group agree with its path and its namespace's layout; with ``repair`` it deletes the
+corrupt records and stale temporary files (those of dead writers on this host, or older than
+``stale_temp_s``). Paths in reports are relative to the root, and the URL is shown without
+credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+
+from tierkv.backends.fsio import TEMP_MARK, Driver, Entry, LocalDriver, temp_owner_alive
+from tierkv.backends.fsspec import RECORD_OVERHEAD, RECORD_SUFFIX, Redactor, open_driver, redact_url
+from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
+from tierkv.keys import key_relpath
+from tierkv.layout import Layout
+from tierkv.record import RecordHeader, read_header, verify_record
+
+__all__ = [
+    "GroupReport",
+    "InspectReport",
+    "NamespaceReport",
+    "Problem",
+    "TempFile",
+    "VerifyReport",
+    "inspect_tier",
+    "verify_tier",
+]
+
+_FP = re.compile(r"[0-9a-f]{32}")
+_GROUP_DIR = re.compile(r"g[0-9a-f]{8}")
+#: bytes read to parse a header: fixed part, a key of up to 1 KiB and a plane table of 255 planes
+HEADER_PROBE = 8192
+#: bound on a block's size where a namespace has no readable layout.json
+DEFAULT_MAX_BLOCK_BYTES = 1 << 30
+BATCH = 32
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class GroupReport:
+    """One group of one namespace."""
+
+    group: int
+    kind: str | None = None
+    """The group's kind in the namespace's layout (None: no readable layout.json)."""
+    block_bytes: int | None = None
+    records: int = 0
+    bytes_on_disk: int = 0
+    """Record file sizes, headers and trailers included."""
+    stored_bytes: int = 0
+    """Payload bytes as stored (after the codec), from the headers."""
+    raw_bytes: int = 0
+    """Block bytes once decoded, from the headers."""
+    codecs: dict[str, int] = field(default_factory=dict)
+    bad_headers: int = 0
+    """Records whose header could not be read or parsed (``tierkv verify`` tells why)."""
+
+    @property
+    def codec_ratio(self) -> float | None:
+        """Raw bytes over stored bytes (None when nothing was stored)."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else None
+
+
+@dataclass
+class NamespaceReport:
+    """One namespace (one ``<fingerprint>`` directory)."""
+
+    fingerprint: str
+    namespace: str | None = None
+    layout: dict[str, Any] | None = None
+    manifest: str = "missing"
+    """``ok``, ``missing``, ``unreadable`` or ``mismatch`` (layout and namespace do not hash to
+    the directory's fingerprint)."""
+    groups: list[GroupReport] = field(default_factory=list)
+    temp_files: int = 0
+    other_files: int = 0
+
+    def _sum(self, name: str) -> int:
+        return sum(int(getattr(g, name)) for g in self.groups)
+
+    @property
+    def records(self) -> int:
+        """Records in every group."""
+        return self._sum("records")
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes of every record file."""
+        return self._sum("bytes_on_disk")
+
+    @property
+    def raw_bytes(self) -> int:
+        """Decoded bytes of every record."""
+        return self._sum("raw_bytes")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Stored payload bytes of every record."""
+        return self._sum("stored_bytes")
+
+    @property
+    def codec_ratio(self) -> float | None:
+        """Raw bytes over stored bytes for the whole namespace."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else None
+
+
+@dataclass
+class InspectReport:
+    """What :func:`inspect_tier` found under a root."""
+
+    url: str
+    namespaces: list[NamespaceReport] = field(default_factory=list)
+    temp_files: int = 0
+    other_files: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``tierkv inspect --json``)."""
+        out = []
+        for ns in self.namespaces:
+            groups = [{**asdict(g), "codec_ratio": g.codec_ratio} for g in ns.groups]
+            out.append({"fingerprint": ns.fingerprint, "namespace": ns.namespace, "manifest": ns.manifest,
+                        "layout": ns.layout, "records": ns.records, "bytes_on_disk": ns.bytes_on_disk,
+                        "stored_bytes": ns.stored_bytes, "raw_bytes": ns.raw_bytes,
+                        "codec_ratio": ns.codec_ratio, "temp_files": ns.temp_files,
+                        "other_files": ns.other_files, "groups": groups})
+        return {"url": self.url, "namespaces": out, "temp_files": self.temp_files,
+                "other_files": self.other_files}
+
+
+@dataclass
+class Problem:
+    """A record that failed a check."""
+
+    path: str
+    reason: str
+    """``CorruptRecord`` reason, or ``key`` / ``fingerprint`` / ``path`` / ``group`` / ``size`` /
+    ``name`` for disagreements with the path or layout, or ``unreadable`` for an I/O error."""
+    detail: str = ""
+    removed: bool = False
+
+
+@dataclass
+class TempFile:
+    """A temporary file a writer left (or is writing now)."""
+
+    path: str
+    size: int
+    age_s: float
+    owner_alive: bool | None
+    """Whether the writing process still runs; None when it ran on another host."""
+    stale: bool
+    removed: bool = False
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_tier` found (and removed)."""
+
+    url: str
+    checked: int = 0
+    ok: int = 0
+    vanished: int = 0
+    """Records that disappeared between listing and reading (another process evicted them)."""
+    corrupt: list[Problem] = field(default_factory=list)
+    errors: list[Problem] = field(default_factory=list)
+    """Records that could not be read (I/O errors); never removed."""
+    temp_files: list[TempFile] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """fingerprint -> manifest state (see :attr:`NamespaceReport.manifest`)."""
+    repaired: bool = False
+
+    @property
+    def remaining(self) -> list[Problem]:
+        """Corrupt records still in place."""
+        return [p for p in self.corrupt if not p.removed]
+
+    @property
+    def clean(self) -> bool:
+        """No corrupt record remains and every record could be read."""
+        return not self.remaining and not self.errors
+
+    @property
+    def removed(self) -> list[str]:
+        """Paths deleted by the repair (corrupt records and stale temporary files)."""
+        return [p.path for p in self.corrupt if p.removed] + [t.path for t in self.temp_files if t.removed]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``tierkv verify --json``)."""
+        return {"url": self.url, "checked": self.checked, "ok": self.ok, "vanished": self.vanished,
+                "corrupt": [asdict(p) for p in self.corrupt], "errors": [asdict(p) for p in self.errors],
+                "temp_files": [asdict(t) for t in self.temp_files], "namespaces": self.namespaces,
+                "repaired": self.repaired, "removed": self.removed, "clean": self.clean}
+
+
+# ---- listing ----------------------------------------------------------------------------------------
+@dataclass
+class _Listing:
+    records: dict[str, list[tuple[Entry, str]]] = field(default_factory=dict)  # fp -> (entry, rel)
+    manifests: dict[str, Entry] = field(default_factory=dict)
+    temps: list[tuple[Entry, str, str | None]] = field(default_factory=list)  # entry, rel, fp
+    other: list[tuple[str, str | None]] = field(default_factory=list)  # rel, fp
+
+    def fingerprints(self) -> list[str]:
+        fps = set(self.records) | set(self.manifests)
+        fps.update(fp for _, _, fp in self.temps if fp)
+        fps.update(fp for _, fp in self.other if fp)
+        return sorted(fps)
+
+
+def _relative(root: str, path: str) -> str:
+    root = root.strip("/")
+    path = path.strip("/")
+    return path[len(root) + 1:] if root and path.startswith(root + "/") else path
+
+
+def _classify(root: str, entries: list[Entry]) -> _Listing:
+    out = _Listing()
+    for e in entries:
+        rel = _relative(root, e.path)
+        parts = rel.split("/")
+        name = parts[-1]
+        fp = parts[0] if len(parts) > 1 and _FP.fullmatch(parts[0]) else None
+        if TEMP_MARK in name:
+            out.temps.append((e, rel, fp))
+        elif fp and len(parts) == 2 and name == "layout.json":
+            out.manifests[fp] = e
+        elif fp and len(parts) == 5 and name.endswith(RECORD_SUFFIX) and _GROUP_DIR.fullmatch(parts[1]):
+            out.records.setdefault(fp, []).append((e, rel))
+        else:
+            out.other.append((rel, fp))
+    return out
+
+
+@dataclass
+class _Manifest:
+    state: str = "missing"
+    namespace: str | None = None
+    layout_json: dict[str, Any] | None = None
+    layout: Layout | None = None
+
+
+async def _manifest(driver: Driver, entry: Entry | None, fp: str) -> _Manifest:
+    if entry is None:
+        return _Manifest()
+    data = (await driver.read_many([entry.path], 1 << 20))[0]
+    if not isinstance(data, bytes):
+        return _Manifest(state="missing" if data is None else "unreadable")
+    try:
+        doc = json.loads(data)
+        namespace = str(doc["namespace"])
+        layout = Layout.model_validate(doc["layout"])
+    except Exception:
+        return _Manifest(state="unreadable")
+    state = "ok" if layout.fingerprint(namespace) == fp else "mismatch"
+    return _Manifest(state=state, namespace=namespace, layout_json=doc["layout"], layout=layout)
+
+
+async def _open(url: str, storage_options: dict[str, Any] | None, concurrency: int,
+                redact: Redactor) -> tuple[Driver, str]:
+    limiter = anyio.CapacityLimiter(max(1, concurrency))
+    try:
+        driver, root = open_driver(url, dict(storage_options or {}), limiter, concurrency, False)
+        fs = getattr(driver, "fs", None)
+        if fs is not None and getattr(fs, "asynchronous", False) and hasattr(fs, "set_session"):
+            await fs.set_session()
+        return driver, root
+    except BackendNotFound:
+        raise
+    except Exception as exc:
+        raise BackendError(f"cannot open {redact_url(url)}: {redact.error(exc)}") from None
+
+
+async def _list(driver: Driver, root: str, url: str, redact: Redactor) -> _Listing:
+    if isinstance(driver, LocalDriver) and not os.path.isdir(root):
+        raise BackendError(f"{redact_url(url)}: no such directory")
+    try:
+        entries = await driver.listdir(root)
+    except Exception as exc:
+        raise BackendError(f"cannot list {redact_url(url)}: {redact.error(exc)}") from None
+    return _classify(root, entries)
+
+
+def _group_of(rel: str) -> int:
+    return int(rel.split("/")[1][1:], 16)
+
+
+# ---- inspect ----------------------------------------------------------------------------------------
+async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, *,
+                       concurrency: int = 16, progress: Progress | None = None) -> InspectReport:
+    """Namespaces, groups, record counts, bytes on disk, raw bytes and codec ratios under ``url``.
+
+    Only record headers are read (the first few KiB of each record). ``progress`` is called with
+    the number of records done since the last call.
+    """
+    redact = Redactor(url, dict(storage_options or {}))
+    driver, root = await _open(url, storage_options, concurrency, redact)
+    try:
+        listing = await _list(driver, root, url, redact)
+        report = InspectReport(url=redact_url(url), temp_files=len(listing.temps),
+                               other_files=[rel for rel, fp in listing.other if fp is None])
+        for fp in listing.fingerprints():
+            man = await _manifest(driver, listing.manifests.get(fp), fp)
+            ns = NamespaceReport(fingerprint=fp, namespace=man.namespace, layout=man.layout_json,
+                                 manifest=man.state,
+                                 temp_files=sum(1 for _, _, f in listing.temps if f == fp),
+                                 other_files=sum(1 for _, f in listing.other if f == fp))
+            groups: dict[int, GroupReport] = {}
+            if man.layout is not None:
+                for g, spec in enumerate(man.layout.groups):
+                    if spec.kind != "scratch":
+                        groups[g] = GroupReport(group=g, kind=spec.kind, block_bytes=spec.block_bytes)
+            records = listing.records.get(fp, [])
+            for i in range(0, len(records), BATCH * 4):
+                chunk = records[i:i + BATCH * 4]
+                headers = await _headers(driver, [e for e, _ in chunk])
+                for (e, rel), header in zip(chunk, headers, strict=True):
+                    g = _group_of(rel)
+                    gr = groups.setdefault(g, GroupReport(group=g))
+                    gr.records += 1
+                    gr.bytes_on_disk += e.size
+                    if header is None:
+                        gr.bad_headers += 1
+                        continue
+                    gr.stored_bytes += header.stored_len
+                    gr.raw_bytes += header.raw_len
+                    gr.codecs[header.codec] = gr.codecs.get(header.codec, 0) + 1
+                if progress is not None:
+                    progress(len(chunk))
+            ns.groups = [groups[g] for g in sorted(groups)]
+            report.namespaces.append(ns)
+        return report
+    finally:
+        await driver.close()
+
+
+async def _headers(driver: Driver, entries: list[Entry]) -> list[RecordHeader | None]:
+    datas = await driver.read_many([e.path for e in entries], HEADER_PROBE - 1)
+    out: list[RecordHeader | None] = []
+    for e, data in zip(entries, datas, strict=True):
+        header = None
+        if isinstance(data, bytes):
+            try:
+                header = read_header(data)
+            except CorruptRecord as exc:
+                if exc.reason == "truncated" and len(data) >= HEADER_PROBE and e.size > len(data):
+                    full = (await driver.read_many([e.path], e.size))[0]
+                    if isinstance(full, bytes):
+                        try:
+                            header = read_header(full)
+                        except CorruptRecord:
+                            header = None
+        out.append(header)
+    return out
+
+
+# ---- verify -----------------------------------------------------------------------------------------
+def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int) -> Problem | None:
+    """Every check of one record against its path and layout; None when it is sound."""
+    parts = rel.split("/")
+    stem = parts[-1][: -len(RECORD_SUFFIX)]
+    try:
+        key = bytes.fromhex(stem)
+        expected_rel = f"{fp}/{key_relpath(key)}{RECORD_SUFFIX}"
+    except ValueError:
+        return Problem(rel, "name", "the file name is not a key")
+    try:
+        header = verify_record(data, max_raw_bytes=bound)
+    except CorruptRecord as exc:
+        return Problem(rel, exc.reason, str(exc))
+    if header.key != key:
+        return Problem(rel, "key", f"record holds key {header.key.hex()}")
+    if header.fingerprint != fp:
+        return Problem(rel, "fingerprint", f"record fingerprint {header.fingerprint}")
+    if rel != expected_rel:
+        return Problem(rel, "path", f"the key belongs at {expected_rel}")
+    if layout is not None:
+        g = _group_of(rel)
+        if g >= len(layout.groups) or layout.groups[g].kind == "scratch":
+            return Problem(rel, "group", f"group {g} is not a prefix-cacheable group of the layout")
+        if header.raw_len != layout.groups[g].block_bytes:
+            return Problem(rel, "size", f"{header.raw_len} bytes, the layout's blocks are "
+                                        f"{layout.groups[g].block_bytes}")
+    return None
+
+
+def _check_batch(items: list[tuple[Any, str, str, Layout | None, int]]) -> list[Problem | None]:
+    return [_check(data, rel, fp, layout, bound) for data, rel, fp, layout, bound in items]
+
+
+async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *, repair: bool = False,
+                      stale_temp_s: float = 3600.0, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+                      concurrency: int = 16, progress: Progress | None = None,
+                      on_total: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check every record under ``url`` completely; with ``repair`` delete the corrupt ones.
+
+    A record is corrupt when :func:`~tierkv.record.verify_record` rejects it, or its key,
+    fingerprint or group disagrees with its path, or its size with its namespace's layout. With
+    ``repair``, corrupt records and stale temporary files (of dead writers on this host, or older
+    than ``stale_temp_s``) are deleted; records that cannot be read (I/O errors) are reported,
+    never deleted. ``on_total`` gets the number of records once listed, ``progress`` the number
+    checked since its last call.
+    """
+    redact = Redactor(url, dict(storage_options or {}))
+    driver, root = await _open(url, storage_options, concurrency, redact)
+    try:
+        listing = await _list(driver, root, url, redact)
+        base = root.rstrip("/")
+        report = VerifyReport(url=redact_url(url))
+        now = time.time()
+        for e, rel, _ in listing.temps:
+            alive = temp_owner_alive(rel.rpartition("/")[2])
+            age = max(0.0, now - e.mtime)
+            report.temp_files.append(TempFile(path=rel, size=e.size, age_s=round(age, 3), owner_alive=alive,
+                                              stale=alive is False or age > stale_temp_s))
+        total = sum(len(v) for v in listing.records.values())
+        if on_total is not None:
+            on_total(total)
+        to_delete: list[tuple[str, Problem | TempFile]] = []
+        for fp in listing.fingerprints():
+            man = await _manifest(driver, listing.manifests.get(fp), fp)
+            report.namespaces[fp] = man.state
+            layout = man.layout if man.state == "ok" else None
+            records = listing.records.get(fp, [])
+            for i in range(0, len(records), BATCH):
+                chunk = records[i:i + BATCH]
+                bounds = []
+                for _, rel in chunk:
+                    g = _group_of(rel)
+                    known = layout is not None and g < len(layout.groups)
+                    bounds.append(layout.groups[g].block_bytes if known and layout else max_block_bytes)
+                datas = await driver.read_many([e.path for e, _ in chunk],
+                                               max(bounds) + RECORD_OVERHEAD)
+                items = []
+                for (_, rel), data, bound in zip(chunk, datas, bounds, strict=True):
+                    if data is None:
+                        report.vanished += 1
+                    elif isinstance(data, BaseException):
+                        report.errors.append(Problem(rel, "unreadable", redact.error(data)))
+                    else:
+                        items.append((data, rel, fp, layout, bound))
+                verdicts = await driver.run(_check_batch, items)
+                for (_, rel, _, _, _), problem in zip(items, verdicts, strict=True):
+                    report.checked += 1
+                    if problem is None:
+                        report.ok += 1
+                    else:
+                        report.corrupt.append(problem)
+                        to_delete.append((f"{base}/{rel}", problem))
+                if progress is not None:
+                    progress(len(chunk))
+        if repair:
+            report.repaired = True
+            to_delete += [(f"{base}/{t.path}", t) for t in report.temp_files if t.stale]
+            if to_delete:
+                try:
+                    await driver.delete_many([p for p, _ in to_delete])
+                except Exception as exc:
+                    raise BackendError(f"repair of {redact_url(url)} failed: {redact.error(exc)}") from None
+                gone = await driver.exists_many([p for p, _ in to_delete])
+                for (_, item), still in zip(to_delete, gone, strict=True):
+                    item.removed = not still
+        return report
+    finally:
+        await driver.close()
