@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import FULL, REC, SW, blocks, config, hashes, hybrid_layout
+from s3util import new_bucket, s3_endpoint, storage_options
 
 from tierkv import Lookup, PrefixLookup, TieredStore
 from tierkv.simulate import Scenario, run_scenario
 
 pytestmark = pytest.mark.anyio
+__all__ = ["s3_endpoint"]  # the fixture
 
 
 async def test_reported_scenario_no_miss_and_at_most_two_extra_steps() -> None:
@@ -177,3 +179,13 @@ async def test_failed_reads_free_their_slots_and_count_a_miss() -> None:
             await store.get(FULL, hs, out)
         assert type(exc.value).__name__ == "BlockMissing"
 
+
+
+async def test_reported_scenario_through_s3(s3_endpoint: str) -> None:
+    url = f"s3://{new_bucket(s3_endpoint)}/kv"
+    sc = Scenario(documents=4, requests=4, kinds=["full", "recurrent"], slots={1: 3}, url=url,
+                  storage_options=storage_options(s3_endpoint))
+    res = await run_scenario(sc)
+    assert res.lookups["miss"] == 0
+    assert all(not r.from_scratch and r.mismatches == 0 for r in res.requests)
+    assert res.restored_fraction == 1.0

@@ -547,8 +547,6 @@ async def test_credentials_never_appear_in_reprs_stats_or_logs(
     _assert_no_secret("\n".join(logs.lines))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: FaultyTierConfig.inner is a plain dict: repr(config) shows the "
-                                       "wrapped tier's URL user info and storage_options (faults.py)")
 def test_faulty_wrapper_config_repr_hides_credentials() -> None:
     config = StoreConfig(layout=LAYOUT, namespace=NS, tiers=[
         {"kind": "cpu", "slots": {FULL: 2, REC: 2}},

@@ -43,7 +43,8 @@ class FaultyTierConfig(TierConfig):
     """Settings of the ``faulty`` wrapper."""
 
     kind: str = "faulty"
-    inner: dict[str, Any]
+    #: the wrapped tier's config (hidden from reprs: it may carry credentials)
+    inner: dict[str, Any] = Field(repr=False)
     fail_every: int = 0
     error: Literal["ENOSPC", "EIO", "EACCES", "SlowDown"] = "EIO"
     ops: list[Op] = Field(default_factory=lambda: list[Op](["put", "get", "contains"]))
