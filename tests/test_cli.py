@@ -29,7 +29,8 @@ def test_demo_console_script_prints_the_plan_and_tiers() -> None:
 
 
 def test_simulate_compares_tierkv_with_the_naive_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--compare", "--json", "--same-process", "--requests", "4", "--slots", "1=3"]) == 0
+    args = ["simulate", "--compare", "--json", "--same-process", "--requests", "4", "--slots", "1=3"]
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["queue"]["restored_fraction"] == 1.0
     assert out["naive"]["restored_fraction"] < 1.0

@@ -25,8 +25,9 @@ def offloading_config(tmp_path: Path, groups: list[tuple[int, int]], extra: dict
                       engine: str) -> Any:
     """An OffloadingConfig as vLLM builds it: only offloaded groups, original group ids."""
     return vcfg.OffloadingConfig(
-        groups=tuple(vcfg.OffloadingGroupConfig(tokens_per_block=tpb, layer_names=(f"model.layers.{gid}.attn",),
-                                                group_id=gid) for gid, tpb in groups),
+        groups=tuple(vcfg.OffloadingGroupConfig(tokens_per_block=tpb,
+                                                layer_names=(f"model.layers.{gid}.attn",), group_id=gid)
+                     for gid, tpb in groups),
         worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=True,
         extra_config={"cpu_bytes_to_use": 1 << 20, "shm_dir": str(tmp_path / "shm"),
                       "tiers": [{"kind": "fsspec", "url": f"file://{tmp_path / 'tier'}"}],
@@ -66,8 +67,8 @@ class Engine:
         if out is None or not out.keys_to_store:
             return out
         self.job += 1
-        assert self.worker.submit_store(self.job, base.GPULoadStoreSpec(blocks, group_sizes, [0] * len(group_sizes)),
-                                        out.store_spec)
+        src = base.GPULoadStoreSpec(blocks, group_sizes, [0] * len(group_sizes))
+        assert self.worker.submit_store(self.job, src, out.store_spec)
         assert [r.job_id for r in self.worker.get_finished()] == [self.job]
         self.manager.complete_store(out.keys_to_store, ctx)
         return out
@@ -129,7 +130,7 @@ def test_store_then_load_round_trips_the_bytes(engine: Engine) -> None:
 def test_keys_already_held_are_not_stored_again(engine: Engine) -> None:
     keys = [key(i, 0) for i in range(2)]
     engine.store(keys, [1, 2], [2, 0], ctx("a"))
-    again = engine.manager.prepare_store(keys + [key(9, 0)], ctx("b"))
+    again = engine.manager.prepare_store([*keys, key(9, 0)], ctx("b"))
     assert again is not None and again.keys_to_store == [key(9, 0)]
     engine.manager.complete_store(again.keys_to_store, ctx("b"), success=False)
 
@@ -217,11 +218,11 @@ def test_scratch_group_from_the_report_gets_no_keys_slots_or_files(tmp_path: Pat
 
 
 def test_config_errors_name_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.cpu_bytes_to_use"):
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.cpu_bytes_to_use"):
         TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"cpu_bytes_to_use": 0}, "bad"))
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.tiers.0.url"):
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.tiers\.0\.url"):
         TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"tiers": [{"kind": "fsspec"}]}, "bad"))
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.bogus"):
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.bogus"):
         TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"bogus": 1}, "bad"))
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -190,7 +190,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print("--slots takes GROUP=SLOTS pairs, e.g. --slots 1=3", file=sys.stderr)
         return 2
     kinds = args.kinds.split(",")
-    policies = ["queue", "naive"] if args.compare else [args.policy]
+    policies: list[Literal["queue", "naive"]] = ["queue", "naive"] if args.compare else [args.policy]
     results = {}
     for policy in policies:
         sc = Scenario(documents=args.documents, requests=args.requests, blocks=args.blocks, kinds=kinds,
