@@ -8,7 +8,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PositiveFloat,
+    PositiveInt,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+)
 
 from tierkv.backends.base import TierConfig
 from tierkv.backends.registry import get_backend
@@ -40,14 +48,14 @@ class StoreConfig(BaseModel):
 
     layout: Layout
     namespace: str = ""
-    max_concurrent_requests: int = 8
+    max_concurrent_requests: PositiveInt = 8
     tiers: list[SerializeAsAny[TierConfig]]
     policy: Literal["lru", "arc"] = "lru"
     #: ``queue``: a promotion that finds no slot waits in FIFO order (PENDING). ``naive``: it is a
     #: MISS, as in engines that treat a full primary as absent; kept only for comparisons.
     admission: Literal["queue", "naive"] = "queue"
     #: pins a request holds are dropped when it has made no call for this long
-    pin_lease_s: float = 300.0
+    pin_lease_s: PositiveFloat = 300.0
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -75,20 +83,6 @@ class StoreConfig(BaseModel):
             except TierKVError as exc:
                 raise ValueError(f"tiers.{i}: {exc}") from None
         return out
-
-    @field_validator("max_concurrent_requests")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
-
-    @field_validator("pin_lease_s")
-    @classmethod
-    def _positive_lease(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
 
     @property
     def fingerprint(self) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from tierkv.layout import Layout
 
@@ -41,31 +41,19 @@ class TierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: str
-    capacity_bytes: int | None = None
+    #: unset: no bound
+    capacity_bytes: PositiveInt | None = None
     #: cascades in flight to this tier are bounded by bytes and by operations; past either, or when
     #: the tier's measured latency says the queue would take longer than ``shed_after_s``, new
     #: cascades are shed (and counted). Promotions are never shed.
-    max_inflight_bytes: int = 256 << 20
-    max_inflight_ops: int = 16
+    max_inflight_bytes: PositiveInt = 256 << 20
+    max_inflight_ops: PositiveInt = 16
     shed_after_s: float = 2.0
-    read_concurrency: int = 16
+    read_concurrency: PositiveInt = 16
     #: how long a lookup trusts a presence probe of this tier: found, and not found
     presence_ttl_s: float = 60.0
     negative_ttl_s: float = 1.0
 
-    @field_validator("capacity_bytes")
-    @classmethod
-    def _positive_capacity(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"must be > 0 (or unset for no bound), got {v}")
-        return v
-
-    @field_validator("max_inflight_bytes", "max_inflight_ops", "read_concurrency")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError(f"must be > 0, got {v}")
-        return v
 
 
 @dataclass(frozen=True)

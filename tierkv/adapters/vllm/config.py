@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
 from tierkv.config import format_validation_error
 from tierkv.errors import ConfigError
@@ -27,16 +27,16 @@ class AdapterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     #: bytes of the CPU primary pool (shared memory), split between groups by ``plan_pools``
-    cpu_bytes_to_use: int
+    cpu_bytes_to_use: PositiveInt
     #: lower tiers, fastest first: ``{"kind": "fsspec", "url": ..., "codec": ...}`` and so on
     tiers: list[dict[str, Any]] = Field(default_factory=list)
     #: added to the model name and dtype to name the namespace on persistent tiers
     namespace: str = ""
     #: sizes recurrent pools (max concurrent requests x states per request)
-    max_concurrent_requests: int = 8
+    max_concurrent_requests: PositiveInt = 8
     eviction_policy: Literal["lru", "arc"] = "lru"
     #: pins of a request that made no call for this long are dropped (vLLM may never finish it)
-    pin_lease_s: float = 300.0
+    pin_lease_s: PositiveFloat = 300.0
     #: explicit slots per group index (overrides the plan, even below the recurrent floor)
     slots: dict[int, int] | None = None
     #: group index -> "full" | "sliding_window" | "recurrent" (overrides what vLLM's specs say)
@@ -47,20 +47,6 @@ class AdapterConfig(BaseModel):
     shm_dir: str = "/dev/shm"
     #: how long the scheduler waits for the worker's manifest before estimating block sizes
     manifest_timeout_s: float = 60.0
-
-    @field_validator("cpu_bytes_to_use")
-    @classmethod
-    def _positive_bytes(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
-
-    @field_validator("max_concurrent_requests")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> AdapterConfig:
