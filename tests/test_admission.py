@@ -189,3 +189,26 @@ async def test_reported_scenario_through_s3(s3_endpoint: str) -> None:
     assert res.lookups["miss"] == 0
     assert all(not r.from_scratch and r.mismatches == 0 for r in res.requests)
     assert res.restored_fraction == 1.0
+
+
+async def test_queue_service_counts_the_blocks_it_pins_as_taken() -> None:
+    """Regression: a queued request wanting a resident block plus a promotion was admitted when the
+    only evictable slot was that very block, and the promotion then found no slot."""
+    layout = hybrid_layout(bb=256)
+    async with TieredStore(config(layout, {"kind": "memory"}, slots={FULL: 2, SW: 2, REC: 2})) as store:
+        k1, k2, x = hashes(1, doc=1), hashes(1, doc=2), hashes(1, doc=3)
+        await store.put(FULL, k2, blocks(1, 256, seed=2))
+        await store.flush()
+        await store.put(FULL, k1, blocks(1, 256, seed=1))
+        await store.flush()
+        await store.put(FULL, x, blocks(1, 256, seed=3))  # evicts k2 (only on the lower tier now)
+        await store.flush()
+        assert store.lookup(FULL, x, request_id="B") == [Lookup.HIT]  # x stays pinned
+        assert store.lookup(FULL, k1 + k2, request_id="A") == [Lookup.HIT, Lookup.PENDING]
+        assert store.stats().admission_queue == 1
+        store.release("nobody")  # any event that services the queue
+        await store.idle()
+        assert store.stats().admission_queue == 1  # still waiting: its own block is not a free slot
+        store.release("B")
+        await store.idle()
+        assert store.lookup(FULL, k1 + k2, request_id="A") == [Lookup.HIT, Lookup.HIT]

@@ -30,6 +30,9 @@ class EvictionPolicy(Protocol):
     def victim(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         """The key to evict next among those ``can_evict`` accepts, or None."""
 
+    def victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+        """Up to ``n`` keys to evict, in eviction order (fewer when fewer may go)."""
+
     def __len__(self) -> int: ...
 
 
@@ -59,6 +62,16 @@ class LRUPolicy:
             if can_evict(key):
                 return key
         return None
+
+    def victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+        """The ``n`` least recently used keys that may be evicted (fewer when fewer may go)."""
+        out: list[bytes] = []
+        for key in self._order:
+            if can_evict(key):
+                out.append(key)
+                if len(out) == n:
+                    break
+        return out
 
     def __len__(self) -> int:
         return len(self._order)
@@ -125,6 +138,18 @@ class ARCPolicy:
                 if can_evict(key):
                     return key
         return None
+
+    def victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+        """What ``n`` calls of :meth:`victim` would pick (nothing moves until they are removed)."""
+        first, second = (self._t1, self._t2) if len(self._t1) > self.p else (self._t2, self._t1)
+        out: list[bytes] = []
+        for lst in (first, second):
+            for key in lst:
+                if can_evict(key):
+                    out.append(key)
+                    if len(out) == n:
+                        return out
+        return out
 
     def _trim_ghosts(self) -> None:
         c = self.capacity

@@ -268,13 +268,9 @@ class SlotPool:
         need = len(keys)
         victims: list[bytes] = []
         if need > len(self._free):
-            chosen: set[bytes] = set()
-            while len(self._free) + len(victims) < need:
-                v = self.policy.victim(lambda k: k not in chosen and self.evictable(k))
-                if v is None:
-                    return None
-                chosen.add(v)
-                victims.append(v)
+            victims = self.policy.victims(need - len(self._free), self.evictable)
+            if len(victims) < need - len(self._free):
+                return None
         for v in victims:
             self._drop(self.index[v], evicted=True)
         self.evictions += len(victims)

@@ -63,6 +63,9 @@ class KeyState(str, enum.Enum):
         return Lookup.MISS if self is KeyState.MISS else Lookup.PENDING
 
 
+_ANSWER = {s: s.lookup.value for s in KeyState}
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Slots reserved by :meth:`TieredStore.reserve`: ``slots[i]`` is None for a block already held."""
@@ -136,9 +139,12 @@ class TieredStore:
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._spawn_queue: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
         self._spawn_wakeup: asyncio.Event | None = None
+        #: keys waiting for a scheduled probe task: (tier index, group) -> keys
+        self._probe_batches: dict[tuple[int, int], list[bytes]] = {}
+        self._wakeup_pending = False
         self._events: dict[bytes, anyio.Event] = {}
         #: keys reserved by ``reserve`` until ``commit``; set when they complete
-        self._storing: dict[bytes, anyio.Event] = {}
+        self._storing: dict[bytes, anyio.Event | None] = {}
         self._requests: dict[str, _Request] = {}
         self._pinners: dict[bytes, set[str]] = {}
         self._queue: OrderedDict[str, None] = OrderedDict()
@@ -227,9 +233,18 @@ class TieredStore:
             tg.start_soon(fn, *args)
         elif self._aio_loop is not None and self._spawn_wakeup is not None:
             self._spawn_queue.append((fn, args))
-            self._aio_loop.call_soon_threadsafe(self._spawn_wakeup.set)
+            if not self._wakeup_pending:
+                self._wakeup_pending = True
+                self._aio_loop.call_soon_threadsafe(self._spawn_wakeup.set)
         else:
             raise StoreClosed("calls from other threads need the store to run on asyncio")
+
+    def _set_event(self, ev: anyio.Event) -> None:
+        """Set an event that tasks on the loop may wait on, from whichever thread we are on."""
+        if threading.get_ident() == self._loop_thread or self._aio_loop is None:
+            ev.set()
+        else:
+            self._aio_loop.call_soon_threadsafe(ev.set)
 
     async def _spawner(self) -> None:
         """Start, inside the loop, the background work other threads asked for."""
@@ -237,6 +252,7 @@ class TieredStore:
         while True:
             await self._spawn_wakeup.wait()
             self._spawn_wakeup.clear()
+            self._wakeup_pending = False  # before draining: a later append wakes the loop again
             while self._spawn_queue:
                 fn, args = self._spawn_queue.popleft()
                 self._tg.start_soon(fn, *args)
@@ -253,10 +269,13 @@ class TieredStore:
 
     # ---- validation -----------------------------------------------------------------------------
     def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
-        self.layout.group(group)
+        pool = self._pools.get(group) if type(group) is int else None
+        if pool is None:
+            self.layout.group(group)  # raises the clear error
+            pool = self._pools[group]
         check_hashes(hashes)
         tail = group.to_bytes(GROUP_BYTES, "big")
-        return self._pools[group], [bytes(h) + tail for h in hashes]
+        return pool, [bytes(h) + tail for h in hashes]
 
     def _check_rows(self, t: object, n: int, pool: SlotPool, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -515,13 +534,13 @@ class TieredStore:
             try:
                 return self._lookup(group, pool, keys, req)
             finally:
+                # no queue service here: it could evict at once what this call answered HIT
                 for key in list(req.pins):
                     self._unpin(req, key)
-                self._service_queue()
         return self._lookup(group, pool, keys, req)
 
     def _lookup(self, group: int, pool: SlotPool, keys: list[bytes], req: _Request) -> list[KeyState]:
-        now = time.monotonic()
+        now = 0.0
         out: list[KeyState] = []
         probes: dict[int, list[bytes]] = {}
         promos: list[_Promo] = []
@@ -536,6 +555,8 @@ class TieredStore:
                 self._pin(req, group, k, s)
                 pool.touch(k)
                 continue
+            if not now:
+                now = time.monotonic()
             where = self._locate(group, k, now, probes)
             if isinstance(where, LowerTier):
                 out.append(KeyState.PROMOTING)
@@ -552,9 +573,11 @@ class TieredStore:
                 late = KeyState.MISS if self.config.admission == "naive" else KeyState.QUEUED
                 for i in promo_pos[:room]:
                     out[i] = late
-        self._start_probes(group, probes)
+        if probes:
+            self._start_probes(group, probes)
+        counts = self._lookups
         for r in out:
-            self._lookups[r.lookup.value] += 1
+            counts[_ANSWER[r]] += 1
         return out
 
     @_locked
@@ -576,7 +599,6 @@ class TieredStore:
             finally:
                 for key in list(req.pins):
                     self._unpin(req, key)
-                self._service_queue()
         return self._lookup_prefix(hashes, req)
 
     def _lookup_prefix(self, hashes: Sequence[bytes], req: _Request) -> PrefixLookup:
@@ -663,11 +685,15 @@ class TieredStore:
         return True
 
     def _enqueue(self, req: _Request, wants: dict[int, list[_Promo]]) -> None:
-        req.wants = {g: [k for k, _ in items] for g, items in wants.items()}
+        """Queue ``req``; it gives back its pins and keeps the blocks they held among its wants."""
+        merged = {g: [k for k, _ in items] for g, items in wants.items()}
+        for key, g in req.pins.items():
+            merged.setdefault(g, []).append(key)
+        req.wants = {g: list(dict.fromkeys(keys)) for g, keys in merged.items()}
         if req.rid not in self._queue:
             self._queue[req.rid] = None
-            for key in list(req.pins):
-                self._unpin(req, key)
+        for key in list(req.pins):
+            self._unpin(req, key)
 
     def _service_queue(self) -> None:
         """Admit waiting requests in FIFO order while their wants fit."""
@@ -692,7 +718,12 @@ class TieredStore:
                     where = self._locate(g, k, now, {})
                     if isinstance(where, LowerTier):
                         wants.setdefault(g, []).append((k, where))
-            if any(self._pools[g].available() < len(items) for g, items in wants.items()):
+            # the blocks it will pin are no longer evictable: count them out of what is available
+            held: dict[int, int] = {}
+            for g, k, _ in pinned_now:
+                if self._pools[g].evictable(k):
+                    held[g] = held.get(g, 0) + 1
+            if any(self._pools[g].available() - held.get(g, 0) < len(items) for g, items in wants.items()):
                 return
             self._queue.pop(rid)
             req.wants = {}
@@ -777,8 +808,18 @@ class TieredStore:
             keys = [k for k in dict.fromkeys(keys) if k not in lt.probing]
             if keys:
                 lt.probing.update(keys)
+                batch = self._probe_batches.get((idx, group))
+                if batch is not None:  # a probe task is scheduled and has not started: it takes these
+                    batch.extend(keys)
+                    continue
+                self._probe_batches[(idx, group)] = list(keys)
                 self._begin_background()
-                self._spawn(self._probe, lt, group, keys)
+                self._spawn(self._probe_batch, lt, group)
+
+    async def _probe_batch(self, lt: LowerTier, group: int) -> None:
+        with self._lock:
+            keys = self._probe_batches.pop((lt.index, group))
+        await self._probe(lt, group, keys)
 
     async def _probe(self, lt: LowerTier, group: int, keys: list[bytes]) -> None:
         try:
@@ -864,8 +905,12 @@ class TieredStore:
             elif pool.state[s] is SlotState.READY:
                 ready.append(i)
             else:
-                ev = self._events.get(keys[i]) or self._storing.get(keys[i])
-                assert ev is not None, "every WRITING slot has an event"
+                ev = self._events.get(keys[i])
+                if ev is None:
+                    assert keys[i] in self._storing, "every WRITING slot has an event"
+                    ev = self._storing[keys[i]]
+                    if ev is None:
+                        ev = self._storing[keys[i]] = anyio.Event()
                 waits[i] = ev
         if ready:
             slots = [pool.index[keys[i]] for i in ready]
@@ -931,6 +976,77 @@ class TieredStore:
 
     # ---- stats ----------------------------------------------------------------------------------
     # ---- slot-level API for engine adapters -----------------------------------------------------
+    def _pool_for_keys(self, group: int) -> SlotPool:
+        self._check_open()
+        pool = self._pools.get(group) if type(group) is int else None
+        if pool is None:
+            self.layout.group(group)
+            raise InvalidArgument(f"group {group} has no pool")
+        return pool
+
+    @_locked
+    def key_state(self, group: int, key: bytes, request_id: str) -> KeyState:
+        """:meth:`lookup_states` of one full key (``hash + group tail``, e.g. a vLLM offload key).
+
+        The caller guarantees the key's tail is ``group``; a READY key is answered without lists.
+        """
+        pool = self._pool_for_keys(group)
+        req = self._request(request_id)
+        assert req is not None
+        s = pool.index.get(key)
+        if s is not None and pool.state[s] is SlotState.READY:
+            if key not in req.pins:
+                pool.pin(s)
+                req.pins[key] = group
+                self._pinners.setdefault(key, set()).add(req.rid)
+            pool.policy.touch(key)
+            self._lookups["hit"] += 1
+            return KeyState.READY
+        return self._lookup(group, pool, [key], req)[0]
+
+    @_locked
+    def reserve_keys(self, group: int, keys: list[bytes]) -> Reservation | None:
+        """:meth:`reserve` of full keys (``hash + group tail``) the caller has checked."""
+        pool = self._pool_for_keys(group)
+        index = pool.index
+        new = [k for k in keys if k not in index]
+        if not new:
+            return Reservation(slots=[None] * len(keys), evicted=[])
+        got = pool.allocate(new)
+        if got is None:
+            return None
+        storing = self._storing
+        for k in new:
+            storing[k] = None
+        if len(new) == len(keys):
+            return Reservation(slots=list(got[0]), evicted=list(got[1]))
+        by_key = dict(zip(new, got[0], strict=True))
+        return Reservation(slots=[by_key.get(k) for k in keys], evicted=list(got[1]))
+
+    @_locked
+    def commit_keys(self, group: int, keys: list[bytes], success: bool = True) -> None:
+        """:meth:`commit` of full keys."""
+        self._commit(group, self._pool_for_keys(group), keys, success)
+
+    @_locked
+    def ready_slots_keys(self, group: int, keys: list[bytes]) -> list[int | None]:
+        """:meth:`ready_slots` of full keys."""
+        pool = self._pool_for_keys(group)
+        index, state, ready = pool.index, pool.state, SlotState.READY
+        return [s if (s := index.get(k)) is not None and state[s] is ready else None for k in keys]
+
+    @_locked
+    def unpin_keys(self, group: int, keys: list[bytes], request_id: str) -> None:
+        """:meth:`unpin` of full keys."""
+        self._pool_for_keys(group)
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.last_seen = time.monotonic()
+            for k in keys:
+                self._unpin(req, k)
+        if self._queue:
+            self._service_queue()
+
     @_locked
     def reserve(self, group: int, hashes: Sequence[bytes]) -> Reservation | None:
         """Reserve primary slots for blocks an engine is about to write into the pool itself.
@@ -940,27 +1056,24 @@ class TieredStore:
         Reserved blocks are invisible to lookups as HITs until :meth:`commit`.
         """
         self._check_open()
-        pool, keys = self._keys(group, hashes)
-        new = [k for k in keys if pool.slot_of(k) is None]
-        got = pool.allocate(new) if new else ([], [])
-        if got is None:
-            return None
-        by_key = dict(zip(new, got[0], strict=True))
-        for k in new:
-            self._storing[k] = anyio.Event()
-        return Reservation(slots=[by_key.get(k) for k in keys], evicted=list(got[1]))
+        _, keys = self._keys(group, hashes)
+        return self.reserve_keys(group, keys)
 
     @_locked
     def commit(self, group: int, hashes: Sequence[bytes], success: bool = True) -> None:
         """Complete reserved blocks: READY and cascaded to lower tiers, or freed and forgotten."""
         self._check_open()
         pool, keys = self._keys(group, hashes)
+        self._commit(group, pool, keys, success)
+
+    def _commit(self, group: int, pool: SlotPool, keys: list[bytes], success: bool) -> None:
         done_keys, done_slots = [], []
         for k in keys:
-            ev = self._storing.pop(k, None)
-            if ev is None:
+            if k not in self._storing:
                 continue
-            ev.set()
+            ev = self._storing.pop(k)
+            if ev is not None:
+                self._set_event(ev)
             s = pool.slot_of(k)
             if s is None:
                 continue
@@ -980,21 +1093,15 @@ class TieredStore:
     def ready_slots(self, group: int, hashes: Sequence[bytes]) -> list[int | None]:
         """The primary slot of each READY block (None for the others)."""
         self._check_open()
-        pool, keys = self._keys(group, hashes)
-        return [s if (s := pool.slot_of(k)) is not None and pool.state[s] is SlotState.READY else None
-                for k in keys]
+        _, keys = self._keys(group, hashes)
+        return self.ready_slots_keys(group, keys)
 
     @_locked
     def unpin(self, group: int, hashes: Sequence[bytes], request_id: str) -> None:
         """Drop ``request_id``'s pins on these blocks (it has loaded them)."""
         self._check_open()
         _, keys = self._keys(group, hashes)
-        req = self._requests.get(request_id)
-        if req is not None:
-            req.last_seen = time.monotonic()
-            for k in keys:
-                self._unpin(req, k)
-        self._service_queue()
+        self.unpin_keys(group, keys, request_id)
 
     @_locked
     def has_pending_work(self) -> bool:

@@ -72,10 +72,6 @@ class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
         return f"TierKVLoadStoreSpec(groups={self.groups.tolist()}, slots={self.slots.tolist()})"
 
 
-def _split(key: bytes) -> tuple[bytes, int]:
-    return key[:-GROUP_BYTES], int.from_bytes(key[-GROUP_BYTES:], "big")
-
-
 class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's offloading manager backed by tierkv's pools and lower tiers."""
 
@@ -92,6 +88,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.layout: Layout = self.store.layout
         self._cacheable = frozenset(self.layout.cacheable_groups)
         self._order = {g: i for i, g in enumerate(group_order)}
+        #: the 4-byte tail of a key -> its group, for the groups that have pools
+        self._tails = {g.to_bytes(GROUP_BYTES, "big"): g for g in self._cacheable}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
         self._events_lock = threading.Lock()
@@ -111,33 +109,36 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT; HIT_PENDING while a store or promotion is in flight; RETRY while a probe runs or the
         request waits for a slot; MISS otherwise."""
-        block_hash, group = _split(key)
-        if group not in self._cacheable:
+        group = self._tails.get(key[-GROUP_BYTES:])
+        if group is None or len(key) <= GROUP_BYTES:
             return LookupResult.MISS
-        state = self.store.lookup_states(group, [block_hash], request_id=req_context.req_id)[0]
-        return _RESULT[state]
+        return _RESULT[self.store.key_state(group, key, req_context.req_id)]
 
-    def _by_group(self, keys: Collection[OffloadKey],
-                  req_context: ReqContext) -> list[tuple[int, list[bytes], list[OffloadKey]]]:
-        """Keys grouped per vLLM group in the engine's order, each by position in the request."""
-        groups: dict[int, list[tuple[int, int, OffloadKey]]] = {}
-        for i, key in enumerate(keys):
-            _, g = _split(key)
-            pos = req_context.get_offload_key_position(key)
-            groups.setdefault(g, []).append((pos if pos is not None else i, i, key))
-        out = []
-        for g in sorted(groups, key=lambda g: self._order.get(g, g)):
-            items = sorted(groups[g])
-            out.append((g, [k[:-GROUP_BYTES] for _, _, k in items], [k for _, _, k in items]))
+    def _by_tail(self, keys: Collection[OffloadKey]) -> list[tuple[int, list[bytes]]]:
+        """Keys of cacheable groups bucketed per group, groups in the engine's order.
+
+        Within a group the engine's order is kept: vLLM lists keys and GPU blocks in the same
+        group-major, chunk order, which is how the worker pairs them.
+        """
+        buckets: dict[bytes, list[bytes]] = {}
+        for key in keys:
+            tail = key[-GROUP_BYTES:]
+            b = buckets.get(tail)
+            if b is None:
+                b = buckets[tail] = []
+            b.append(key)
+        out = [(g, b) for t, b in buckets.items() if (g := self._tails.get(t)) is not None]
+        if len(out) > 1:
+            out.sort(key=lambda e: self._order.get(e[0], e[0]))
         return out
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Slots of the blocks a request looked up as HIT (pinned for it until complete_load)."""
         groups: list[int] = []
         slots: list[int] = []
-        for g, hashes, _ in self._by_group(keys, req_context):
-            found = self.store.ready_slots(g, hashes)
-            if any(s is None for s in found):
+        for g, gkeys in self._by_tail(keys):
+            found = self.store.ready_slots_keys(g, gkeys)
+            if None in found:
                 raise RuntimeError("prepare_load of a block that is not ready: tierkv pins HITs, so"
                                    " this means the connector loaded a key it did not look up")
             groups += [g] * len(found)
@@ -149,45 +150,44 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """The request has its blocks: drop its pins on them."""
-        for g, hashes, _ in self._by_group(keys, req_context):
-            self.store.unpin(g, hashes, req_context.req_id)
+        for g, gkeys in self._by_tail(keys):
+            self.store.unpin_keys(g, gkeys, req_context.req_id)
 
     # ---- stores ----------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve slots for keys not held yet (evicting); None when the pool cannot make room."""
         reserved: list[tuple[int, list[bytes]]] = []
-        to_store: list[OffloadKey] = []
+        to_store: list[bytes] = []
         groups: list[int] = []
         slots: list[int] = []
-        evicted: list[OffloadKey] = []
-        for g, hashes, gkeys in self._by_group(keys, req_context):
-            if g not in self._cacheable:
-                continue
-            res = self.store.reserve(g, hashes)
+        evicted: list[bytes] = []
+        for g, gkeys in self._by_tail(keys):
+            res = self.store.reserve_keys(g, gkeys)
             if res is None:
-                for rg, rh in reserved:
-                    self.store.commit(rg, rh, success=False)
+                for rg, rk in reserved:
+                    self.store.commit_keys(rg, rk, success=False)
                 return None
-            new = [(h, k, s) for h, k, s in zip(hashes, gkeys, res.slots, strict=True) if s is not None]
-            reserved.append((g, [h for h, _, _ in new]))
-            to_store += [k for _, k, _ in new]
-            groups += [g] * len(new)
-            slots += [s for _, _, s in new if s is not None]
-            evicted += [OffloadKey(k) for k in res.evicted]
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=TierKVLoadStoreSpec(groups, slots),
-                                  evicted_keys=evicted)
+            new = [(k, s) for k, s in zip(gkeys, res.slots, strict=True) if s is not None]
+            nkeys = [k for k, _ in new]
+            reserved.append((g, nkeys))
+            to_store += nkeys
+            groups += [g] * len(nkeys)
+            slots += [s for _, s in new]
+            evicted += res.evicted
+        return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in to_store],
+                                  store_spec=TierKVLoadStoreSpec(groups, slots),
+                                  evicted_keys=[OffloadKey(k) for k in evicted])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
-        for g, hashes, gkeys in self._by_group(keys, req_context):
-            if g in self._cacheable:
-                self.store.commit(g, hashes, success=success)
-                if success and self._events_on:
-                    with self._events_lock:
-                        self._events.append(OffloadingEvent(keys=list(gkeys), medium=Medium.CPU,
-                                                            removed=False))
+        for g, gkeys in self._by_tail(keys):
+            self.store.commit_keys(g, gkeys, success=success)
+            if success and self._events_on:
+                with self._events_lock:
+                    self._events.append(OffloadingEvent(keys=list(gkeys), medium=Medium.CPU,
+                                                        removed=False))
 
     # ---- request life ----------------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
