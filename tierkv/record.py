@@ -51,6 +51,7 @@ __all__ = [
     "TRAILER_LEN",
     "PlaneInfo",
     "RecordHeader",
+    "check_split_record",
     "decode_record",
     "encode_record",
     "read_header",
@@ -579,6 +580,43 @@ def decode_record(
         raise CorruptRecord("size", f"raw length {header.raw_len}, out holds {out.size} bytes")
     _decode_payload(view, header, out.reshape(-1))
     return out
+
+
+def check_split_record(
+    header: bytes | bytearray | memoryview,
+    payload: U8Array,
+    trailer: bytes | bytearray | memoryview,
+    *,
+    key: bytes,
+    fingerprint: str,
+    record_len: int,
+) -> None:
+    """Check a ``codec none`` record that was read in three parts, the payload straight into place.
+
+    A reader that knows the header length of an uncompressed record (``FIXED_HEADER_LEN + len(key)``)
+    may scatter-read ``header | payload | trailer`` with the payload landing in its destination row,
+    then call this: the same checks as :func:`decode_record` (structure, lengths against
+    ``record_len``, the file's size, checksum over header and payload, key, fingerprint), in the same
+    order. On :class:`~tierkv.errors.CorruptRecord` the payload's bytes must not be used.
+    """
+    head = _parse_header(_record_view(header))
+    if head.codec != "none" or head.header_len != len(header):
+        raise CorruptRecord("codec", f"not an uncompressed record of this key's header length ({head.codec})")
+    if head.raw_len != payload.size:
+        raise CorruptRecord("size", f"raw length {head.raw_len}, the row holds {payload.size} bytes")
+    if head.record_len != record_len:
+        reason = "truncated" if record_len < head.record_len else "size"
+        raise CorruptRecord(reason, f"{record_len} bytes, the header declares {head.record_len}")
+    h = xxhash.xxh3_64()
+    h.update(header)
+    h.update(payload.data)
+    (stored_digest,) = _TRAILER.unpack_from(trailer, 0)
+    if h.intdigest() != stored_digest:
+        raise CorruptRecord("checksum", "xxh3_64 mismatch")
+    if head.key != _key_bytes(key):
+        raise CorruptRecord("key", f"record holds key {head.key.hex()}, expected {key.hex()}")
+    if head.fingerprint != fingerprint:
+        raise CorruptRecord("fingerprint", f"record fingerprint {head.fingerprint}, expected {fingerprint}")
 
 
 def verify_record(data: bytes | bytearray | memoryview, *, max_raw_bytes: int) -> RecordHeader:

@@ -104,7 +104,10 @@ class Tier(ABC):
 
     @abstractmethod
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
-        """Fill ``out[i]`` with the block of ``keys[i]``; per key, whether it was found intact."""
+        """Fill ``out[i]`` with the block of ``keys[i]``; per key, whether it was found intact.
+
+        Rows of keys answered False hold unspecified bytes and must not be used.
+        """
 
     @abstractmethod
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:

@@ -22,6 +22,9 @@ __all__ = ["AsyncDriver", "Driver", "Entry", "LocalDriver", "SyncDriver", "TEMP_
 
 T = TypeVar("T")
 
+#: verdict of :meth:`LocalDriver.read_split_many` for a file to be read whole instead
+SPLIT_FALLBACK = "fallback"
+
 #: temporary files are ``.<name>.tkvtmp-<host>-<pid>-<random>``: host and pid say who wrote them
 TEMP_MARK = ".tkvtmp-"
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
@@ -203,6 +206,54 @@ class LocalDriver(Driver):
 
         async def one(idx: range) -> None:
             for i, r in zip(idx, await self.run(self._read_chunk, paths, idx, limit), strict=True):
+                results[i] = r
+
+        async with anyio.create_task_group() as tg:
+            for idx in _chunks(len(paths), self.threads):
+                tg.start_soon(one, idx)
+        return results
+
+    def _split_chunk(self, paths: list[str], header_lens: list[int], rows: Any, idx: range,
+                     check: Callable[[int, bytes, bytes], str]) -> list[str | BaseException | None]:
+        out: list[str | BaseException | None] = []
+        for i in idx:
+            try:
+                fd = os.open(paths[i], os.O_RDONLY)
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            except OSError as exc:
+                out.append(exc)
+                continue
+            try:
+                hdr = bytearray(header_lens[i])
+                trailer = bytearray(8)
+                row = memoryview(rows[i]).cast("B")
+                size = os.fstat(fd).st_size
+                if size != len(hdr) + row.nbytes + len(trailer):
+                    out.append(SPLIT_FALLBACK)
+                    continue
+                got = os.preadv(fd, [hdr, row, trailer], 0)
+                out.append(check(i, bytes(hdr), bytes(trailer)) if got == size else SPLIT_FALLBACK)
+            except OSError as exc:
+                out.append(exc)
+            finally:
+                os.close(fd)
+        return out
+
+    async def read_split_many(self, paths: list[str], header_lens: list[int], rows: Any,
+                              check: Callable[[int, bytes, bytes], str]) -> list[str | BaseException | None]:
+        """Scatter-read uncompressed records: header and trailer apart, the payload into ``rows[i]``.
+
+        Per path: ``check(i, header, trailer)``'s verdict ("" when the record is good), None when
+        absent, the error raised, or :data:`SPLIT_FALLBACK` when the file is not of the expected
+        size (compressed, damaged, foreign): the caller then reads it whole.
+        """
+        results: list[str | BaseException | None] = [None] * len(paths)
+
+        async def one(idx: range) -> None:
+            for i, r in zip(idx, await self.run(self._split_chunk, paths, header_lens, rows, idx, check),
+                            strict=True):
                 results[i] = r
 
         async with anyio.create_task_group() as tg:

@@ -36,10 +36,18 @@ import torch
 from pydantic import Field
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
-from tierkv.backends.fsio import TEMP_MARK, AsyncDriver, Driver, LocalDriver, SyncDriver, temp_owner_alive
+from tierkv.backends.fsio import (
+    SPLIT_FALLBACK,
+    TEMP_MARK,
+    AsyncDriver,
+    Driver,
+    LocalDriver,
+    SyncDriver,
+    temp_owner_alive,
+)
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.keys import key_relpath, split_key
-from tierkv.record import decode_record, encode_record
+from tierkv.record import FIXED_HEADER_LEN, TRAILER_LEN, check_split_record, decode_record, encode_record
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "open_driver", "record_path",
            "redact_url"]
@@ -449,15 +457,54 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("reading records", exc) from None
 
+    async def _read_split(self, keys: Sequence[bytes], np_out: np.ndarray) -> list[Any]:
+        """Uncompressed records on a local file system: the payload lands in its row directly."""
+        assert isinstance(self._driver, LocalDriver)
+        fp = self.context.fingerprint
+
+        def check(i: int, header: bytes, trailer: bytes) -> str:
+            try:
+                check_split_record(header, np_out[i], trailer, key=keys[i], fingerprint=fp,
+                                   record_len=len(header) + np_out[i].nbytes + TRAILER_LEN)
+                return ""
+            except CorruptRecord as exc:
+                return SPLIT_FALLBACK if exc.reason == "codec" else exc.reason
+
+        return await self._driver.read_split_many([self.path(k) for k in keys],
+                                                  [FIXED_HEADER_LEN + len(k) for k in keys], np_out, check)
+
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         out8 = out.view(torch.uint8).reshape(len(keys), -1)
         block_bytes = out8.shape[1]
-        datas = await self.driver.read_many([self.path(k) for k in keys], block_bytes + RECORD_OVERHEAD)
         np_out = out8.numpy()
-        if self.cfg.codec == "none" and np_out.nbytes <= INLINE_CODEC_BYTES:
-            verdicts = self._decode_into(keys, datas, np_out, block_bytes)
-        else:
-            verdicts = await self.driver.run(self._decode_into, keys, datas, np_out, block_bytes)
+        n = len(keys)
+        datas: list[Any] = [None] * n
+        verdicts: list[str | None] = [None] * n
+        todo = list(range(n))
+        if self.cfg.codec == "none" and isinstance(self._driver, LocalDriver):
+            split = await self._read_split(keys, np_out)
+            todo = []
+            for i, r in enumerate(split):
+                if r == SPLIT_FALLBACK:
+                    todo.append(i)
+                elif isinstance(r, str):
+                    verdicts[i] = r
+                    datas[i] = FIXED_HEADER_LEN + len(keys[i]) + block_bytes + TRAILER_LEN
+                else:
+                    datas[i] = r
+        if todo:
+            sub_keys = [keys[i] for i in todo]
+            limit = block_bytes + RECORD_OVERHEAD
+            read = await self.driver.read_many([self.path(k) for k in sub_keys], limit)
+            sub_out = np_out[todo] if len(todo) != n else np_out
+            if self.cfg.codec == "none" and sub_out.nbytes <= INLINE_CODEC_BYTES:
+                sub_v = self._decode_into(sub_keys, read, sub_out, block_bytes)
+            else:
+                sub_v = await self.driver.run(self._decode_into, sub_keys, read, sub_out, block_bytes)
+            if len(todo) != n:
+                np_out[todo] = sub_out
+            for j, i in enumerate(todo):
+                datas[i], verdicts[i] = read[j], sub_v[j]
         found, corrupt = [], []
         learned = False
         for k, data, v in zip(keys, datas, verdicts, strict=True):
@@ -465,9 +512,9 @@ class FsspecTier(Tier):
                 found.append(True)
                 if k in self._known:
                     self._known.move_to_end(k)
-                elif isinstance(data, bytes):
+                elif isinstance(data, (bytes, int)):
                     # written by another process (or before a restart, not scanned yet)
-                    self._remember(k, len(data))
+                    self._remember(k, data if isinstance(data, int) else len(data))
                     learned = True
                 continue
             found.append(False)
