@@ -346,3 +346,25 @@ async def test_stats_prometheus_exposition() -> None:
         text = to_prometheus(store.stats())
         assert 'tierkv_tier_stores_total{tier="1",kind="memory"} 2' in text
         assert 'tierkv_pool_slots{group="0",kind="full"} 16' in text
+
+
+async def test_a_tier_measured_slow_gets_its_cascades_shed_but_loads_still_served() -> None:
+    """Shedding by latency: once the EMA says the queue would take longer than shed_after_s, new
+    cascades are shed (counted) while reads from the same tier still go through."""
+    slow = {"kind": "faulty", "inner": {"kind": "memory"}, "delay_s": 0.2, "ops": ["put"],
+            "max_inflight_ops": 1, "shed_after_s": 0.01}
+    async with TieredStore(config(LAYOUT, slow, slots={FULL: 64, SW: 2, REC: 2})) as store:
+        await store.put(FULL, hashes(1, doc=0), blocks(1, bb(FULL)))
+        await store.flush()  # one cascade completes: the tier's latency is now known (slow)
+        assert store.stats().tiers[1].store_s_per_mib > 0
+        for d in range(1, 6):
+            await store.put(FULL, hashes(1, doc=d), blocks(1, bb(FULL), seed=d))
+        await store.flush()
+        t = store.stats().tiers[1]
+        assert t.stores_shed >= 3
+        assert t.stores + t.stores_shed == 6
+        for pool in store.pools.values():
+            pool.free([s for s in range(pool.num_slots) if pool.pins[s] == 0])
+        out = torch.zeros(1, bb(FULL), dtype=torch.uint8)
+        await store.get(FULL, hashes(1, doc=0), out)  # promotions are never shed
+        assert torch.equal(out, blocks(1, bb(FULL)))
