@@ -917,9 +917,13 @@ class TieredStore:
             if len(ready) == len(keys):
                 pool.read(slots, out8)
             else:
-                tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8, device=out8.device)
-                pool.read(slots, tmp)
-                out8[torch.tensor(ready, device=out8.device)] = tmp
+                r = _run(ready)
+                if r is not None:
+                    pool.read(slots, out8[r[0]:r[1]])
+                else:
+                    tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8, device=out8.device)
+                    pool.read(slots, tmp)
+                    out8.index_copy_(0, torch.tensor(ready, dtype=torch.int64, device=out8.device), tmp)
             for i in ready:
                 pool.touch(keys[i])
             self._primary_stats.hits += len(ready)
@@ -937,7 +941,10 @@ class TieredStore:
             sub = [i for i in left if lt.presence(group, keys[i], now) is not False]
             if not sub:
                 continue
-            buf = torch.empty((len(sub), pool.block_bytes), dtype=torch.uint8)
+            run = _run(sub)
+            direct = run is not None and out8.device.type == "cpu"
+            buf = (out8[run[0]:run[1]] if direct and run is not None
+                   else torch.empty((len(sub), pool.block_bytes), dtype=torch.uint8))
             sub_keys = [keys[i] for i in sub]
             try:
                 async with lt.read_limiter:
@@ -947,9 +954,9 @@ class TieredStore:
                 lt.tier.count("read_errors")
                 ok = [False] * len(sub)
             got = [j for j, f in enumerate(ok) if f]
-            if got:
-                dst = torch.tensor([sub[j] for j in got], device=out8.device)
-                out8[dst] = _rows(buf, got).to(out8.device)
+            if got and not direct:
+                dst = torch.tensor([sub[j] for j in got], dtype=torch.int64, device=out8.device)
+                out8.index_copy_(0, dst, _rows(buf, got).to(out8.device))
             with self._lock:
                 for j, f in enumerate(ok):
                     lt.note(sub_keys[j], f, now)

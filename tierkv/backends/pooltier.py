@@ -124,7 +124,8 @@ class PoolTier(Tier):
             else:
                 tmp = torch.empty((len(rows), pool.block_bytes), dtype=torch.uint8, device=out.device)
                 pool.read(slots, tmp)
-                out.view(torch.uint8).reshape(len(keys), -1)[torch.tensor(rows)] = tmp
+                idx = torch.tensor(rows, dtype=torch.int64, device=out.device)
+                out.view(torch.uint8).reshape(len(keys), -1).index_copy_(0, idx, tmp)
         return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
