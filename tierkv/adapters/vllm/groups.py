@@ -107,7 +107,8 @@ def _kind_from_layers(vllm_config: Any, layer_names: list[str],
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase,  # type: ignore[type-abstract,unused-ignore]
+                                             layer_names)
     except Exception:  # the model is not loaded in this process (the scheduler)
         return None
     for layer in layers.values():

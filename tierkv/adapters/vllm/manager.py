@@ -186,7 +186,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.store.commit_keys(g, gkeys, success=success)
             if success and self._events_on:
                 with self._events_lock:
-                    self._events.append(OffloadingEvent(keys=list(gkeys), medium=Medium.CPU,
+                    self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in gkeys], medium=Medium.CPU,
                                                         removed=False))
 
     # ---- request life ----------------------------------------------------------------------------
