@@ -186,8 +186,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.store.commit_keys(g, gkeys, success=success)
             if success and self._events_on:
                 with self._events_lock:
-                    self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in gkeys], medium=Medium.CPU,
-                                                        removed=False))
+                    stored = [OffloadKey(k) for k in gkeys]
+                    self._events.append(OffloadingEvent(keys=stored, medium=Medium.CPU, removed=False))
 
     # ---- request life ----------------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
