@@ -51,9 +51,10 @@ __all__ = [
     "TRAILER_LEN",
     "PlaneInfo",
     "RecordHeader",
-    "check_split_record",
     "decode_record",
     "encode_record",
+    "encode_record_parts",
+    "none_header",
     "read_header",
     "verify_record",
 ]
@@ -296,7 +297,26 @@ def encode_record(
     elem_size: int = 2,
     level: int = 1,
 ) -> bytes:
-    """Encode one block as a record.
+    """Encode one block as a record: :func:`encode_record_parts` joined into one ``bytes``."""
+    return b"".join(encode_record_parts(key=key, fingerprint=fingerprint, payload=payload, codec=codec,
+                                        elem_size=elem_size, level=level))
+
+
+def encode_record_parts(
+    *,
+    key: bytes,
+    fingerprint: str,
+    payload: memoryview | bytes | npt.NDArray[np.generic],
+    codec: str = "none",
+    elem_size: int = 2,
+    level: int = 1,
+) -> list[bytes | memoryview]:
+    """Encode one block as a record, in pieces whose concatenation is the record.
+
+    Nothing is copied: for ``none`` the payload piece is a view of ``payload`` itself, so a writer
+    hands the pieces to ``os.writev`` (or joins them once). The views are valid as long as
+    ``payload`` (and, for ``zstd-shuffle``, this thread's scratch buffers: use them before the
+    thread encodes again) are not changed.
 
     ``payload`` holds the raw block bytes: bytes, a C-contiguous memoryview or a C-contiguous numpy
     array (its bytes are taken as they lie in memory). ``fingerprint`` is the layout fingerprint,
@@ -365,9 +385,18 @@ def encode_record(
         stored_len,
     )
     digest = xxhash.xxh3_64()
-    for part in (fixed, key, table, *pieces):
+    head = fixed + key + table
+    digest.update(head)
+    for part in pieces:
         digest.update(part)
-    return b"".join((fixed, key, table, *pieces, _TRAILER.pack(digest.intdigest())))
+    return [head, *pieces, _TRAILER.pack(digest.intdigest())]
+
+
+def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 2) -> bytes:
+    """The exact header (key included) :func:`encode_record` writes for a ``none`` record."""
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODEC_NONE, _CHECKSUM_XXH3_64, elem_size, 0, len(key),
+                       FIXED_HEADER_LEN + len(key), 0, _fingerprint_bytes(fingerprint), raw_len,
+                       raw_len) + _key_bytes(key)
 
 
 def _parse_header(view: memoryview) -> RecordHeader:
@@ -580,43 +609,6 @@ def decode_record(
         raise CorruptRecord("size", f"raw length {header.raw_len}, out holds {out.size} bytes")
     _decode_payload(view, header, out.reshape(-1))
     return out
-
-
-def check_split_record(
-    header: bytes | bytearray | memoryview,
-    payload: U8Array,
-    trailer: bytes | bytearray | memoryview,
-    *,
-    key: bytes,
-    fingerprint: str,
-    record_len: int,
-) -> None:
-    """Check a ``codec none`` record that was read in three parts, the payload straight into place.
-
-    A reader that knows the header length of an uncompressed record (``FIXED_HEADER_LEN + len(key)``)
-    may scatter-read ``header | payload | trailer`` with the payload landing in its destination row,
-    then call this: the same checks as :func:`decode_record` (structure, lengths against
-    ``record_len``, the file's size, checksum over header and payload, key, fingerprint), in the same
-    order. On :class:`~tierkv.errors.CorruptRecord` the payload's bytes must not be used.
-    """
-    head = _parse_header(_record_view(header))
-    if head.codec != "none" or head.header_len != len(header):
-        raise CorruptRecord("codec", f"not an uncompressed record of this key's header length ({head.codec})")
-    if head.raw_len != payload.size:
-        raise CorruptRecord("size", f"raw length {head.raw_len}, the row holds {payload.size} bytes")
-    if head.record_len != record_len:
-        reason = "truncated" if record_len < head.record_len else "size"
-        raise CorruptRecord(reason, f"{record_len} bytes, the header declares {head.record_len}")
-    h = xxhash.xxh3_64()
-    h.update(header)
-    h.update(payload.data)
-    (stored_digest,) = _TRAILER.unpack_from(trailer, 0)
-    if h.intdigest() != stored_digest:
-        raise CorruptRecord("checksum", "xxh3_64 mismatch")
-    if head.key != _key_bytes(key):
-        raise CorruptRecord("key", f"record holds key {head.key.hex()}, expected {key.hex()}")
-    if head.fingerprint != fingerprint:
-        raise CorruptRecord("fingerprint", f"record fingerprint {head.fingerprint}, expected {fingerprint}")
 
 
 def verify_record(data: bytes | bytearray | memoryview, *, max_raw_bytes: int) -> RecordHeader:

@@ -22,9 +22,6 @@ __all__ = ["AsyncDriver", "Driver", "Entry", "LocalDriver", "SyncDriver", "TEMP_
 
 T = TypeVar("T")
 
-#: verdict of :meth:`LocalDriver.read_split_many` for a file to be read whole instead
-SPLIT_FALLBACK = "fallback"
-
 #: temporary files are ``.<name>.tkvtmp-<host>-<pid>-<random>``: host and pid say who wrote them
 TEMP_MARK = ".tkvtmp-"
 _HOST = socket.gethostname().replace("-", "_")[:32] or "host"
@@ -117,6 +114,65 @@ class LocalDriver(Driver):
         self.fsync = fsync
         self._dirs: set[str] = set()
 
+    async def map(self, fn: Callable[[int], T], n: int) -> list[T | OSError]:
+        """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads.
+
+        Per item, what ``fn`` returned or the ``OSError`` it raised: a tier does a whole per-record
+        job (encode + write) in one worker thread, with no intermediate buffers handed back.
+        """
+        results: list[T | OSError] = [None] * n  # type: ignore[list-item]
+
+        def chunk(idx: range) -> None:
+            for i in idx:
+                try:
+                    results[i] = fn(i)
+                except OSError as exc:
+                    results[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for idx in _chunks(n, self.threads):
+                tg.start_soon(self.run, chunk, idx)
+        return results
+
+    @staticmethod
+    def read_scatter(path: str, bufs: list[Any]) -> int | None:
+        """Read ``path`` into ``bufs`` in order with one ``readv``; the bytes read, None when absent.
+
+        Regular files read short only at their end, so a result equal to the total length of
+        ``bufs`` means the file is at least that long (a caller that must know it is not longer
+        gives one spare byte in its last buffer).
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.readv(fd, bufs)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def read_upto(path: str, buf: memoryview) -> int | None:
+        """Read at most ``len(buf)`` bytes of ``path`` into ``buf``; how many, None when absent."""
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise OSError(errno.EISDIR, "a directory where a record should be", path) from None
+        with f:
+            done = 0
+            while done < len(buf):
+                got = f.readinto(buf[done:])
+                if not got:
+                    break
+                done += got
+            return done
+
+    def write_one(self, path: str, data: bytes | list[Any]) -> None:
+        """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""
+        self._write_one(path, data)
+
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
         d = path.rpartition("/")[0]
         if d not in self._dirs:
@@ -206,54 +262,6 @@ class LocalDriver(Driver):
 
         async def one(idx: range) -> None:
             for i, r in zip(idx, await self.run(self._read_chunk, paths, idx, limit), strict=True):
-                results[i] = r
-
-        async with anyio.create_task_group() as tg:
-            for idx in _chunks(len(paths), self.threads):
-                tg.start_soon(one, idx)
-        return results
-
-    def _split_chunk(self, paths: list[str], header_lens: list[int], rows: Any, idx: range,
-                     check: Callable[[int, bytes, bytes], str]) -> list[str | BaseException | None]:
-        out: list[str | BaseException | None] = []
-        for i in idx:
-            try:
-                fd = os.open(paths[i], os.O_RDONLY)
-            except FileNotFoundError:
-                out.append(None)
-                continue
-            except OSError as exc:
-                out.append(exc)
-                continue
-            try:
-                hdr = bytearray(header_lens[i])
-                trailer = bytearray(8)
-                row = memoryview(rows[i]).cast("B")
-                size = os.fstat(fd).st_size
-                if size != len(hdr) + row.nbytes + len(trailer):
-                    out.append(SPLIT_FALLBACK)
-                    continue
-                got = os.preadv(fd, [hdr, row, trailer], 0)
-                out.append(check(i, bytes(hdr), bytes(trailer)) if got == size else SPLIT_FALLBACK)
-            except OSError as exc:
-                out.append(exc)
-            finally:
-                os.close(fd)
-        return out
-
-    async def read_split_many(self, paths: list[str], header_lens: list[int], rows: Any,
-                              check: Callable[[int, bytes, bytes], str]) -> list[str | BaseException | None]:
-        """Scatter-read uncompressed records: header and trailer apart, the payload into ``rows[i]``.
-
-        Per path: ``check(i, header, trailer)``'s verdict ("" when the record is good), None when
-        absent, the error raised, or :data:`SPLIT_FALLBACK` when the file is not of the expected
-        size (compressed, damaged, foreign): the caller then reads it whole.
-        """
-        results: list[str | BaseException | None] = [None] * len(paths)
-
-        async def one(idx: range) -> None:
-            for i, r in zip(idx, await self.run(self._split_chunk, paths, header_lens, rows, idx, check),
-                            strict=True):
                 results[i] = r
 
         async with anyio.create_task_group() as tg:

@@ -22,8 +22,10 @@ logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,11 +35,11 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import anyio
 import numpy as np
 import torch
+import xxhash
 from pydantic import Field
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.fsio import (
-    SPLIT_FALLBACK,
     TEMP_MARK,
     AsyncDriver,
     Driver,
@@ -47,7 +49,7 @@ from tierkv.backends.fsio import (
 )
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.keys import key_relpath, split_key
-from tierkv.record import FIXED_HEADER_LEN, TRAILER_LEN, check_split_record, decode_record, encode_record
+from tierkv.record import TRAILER_LEN, decode_record, encode_record, encode_record_parts, none_header
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "open_driver", "record_path",
            "redact_url"]
@@ -219,6 +221,17 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     fs = cls(skip_instance_cache=True, **options)
     root = "/" + cls._strip_protocol(url).strip("/")
     return SyncDriver(limiter, fs, inline=protocol == "memory"), root
+
+
+_tls = threading.local()
+
+
+def _read_buffer(size: int) -> memoryview:
+    """``size`` bytes of this thread's reusable read buffer (no allocation per record)."""
+    buf: bytearray | None = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _tls.buf = bytearray(size)
+    return memoryview(buf)[:size]
 
 
 class FsspecTier(Tier):
@@ -413,25 +426,53 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("storing records", exc) from None
 
+    def _put_local(self, keys: Sequence[bytes], rows: np.ndarray, i: int) -> int:
+        """Encode record ``i`` and publish it with one ``writev``, in a worker thread: no joined copy.
+
+        Returns the record's size, negated when it exceeds ``capacity_bytes`` (not written).
+        """
+        driver = self.driver
+        assert isinstance(driver, LocalDriver)
+        cfg = self.cfg
+        parts = encode_record_parts(key=keys[i], fingerprint=self.context.fingerprint, payload=rows[i],
+                                    codec=cfg.codec, elem_size=cfg.elem_size, level=cfg.zstd_level)
+        size = sum(memoryview(p).nbytes for p in parts)
+        if cfg.capacity_bytes is not None and size > cfg.capacity_bytes:
+            return -size
+        driver.write_one(self.path(keys[i]), parts)
+        return size
+
     async def _put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
-        if self.cfg.codec == "none" and rows.nbytes <= INLINE_CODEC_BYTES:
-            records = self._encode(keys, rows)
+        results: list[int | BaseException]
+        if isinstance(self.driver, LocalDriver):
+            # encode (checksum, compression) and write of each record in one worker thread, in
+            # parallel over the tier's threads
+            results = list(await self.driver.map(functools.partial(self._put_local, keys, rows), len(keys)))
         else:
-            records = await self.driver.run(self._encode, keys, rows)
-        cap = self.cfg.capacity_bytes
-        todo = [i for i, r in enumerate(records) if cap is None or len(r) <= cap]
-        errors = await self.driver.write_many([(self.path(keys[i]), records[i]) for i in todo])
-        ok = [False] * len(keys)
-        for i, err in zip(todo, errors, strict=True):
-            if err is None:
-                self._remember(keys[i], len(records[i]))
-                ok[i] = True
+            if self.cfg.codec == "none" and rows.nbytes <= INLINE_CODEC_BYTES:
+                records = self._encode(keys, rows)
             else:
+                records = await self.driver.run(self._encode, keys, rows)
+            cap = self.cfg.capacity_bytes
+            results = [-len(r) for r in records]
+            todo = [i for i, r in enumerate(records) if cap is None or len(r) <= cap]
+            errors = await self.driver.write_many([(self.path(keys[i]), records[i]) for i in todo])
+            for i, err in zip(todo, errors, strict=True):
+                results[i] = len(records[i]) if err is None else err
+        ok = [False] * len(keys)
+        too_large = 0
+        for i, res in enumerate(results):
+            if isinstance(res, BaseException):
                 self.count("write_errors")
-                self._warn("writing a record", err)
-        if len(todo) < len(keys):
-            self.count("too_large", len(keys) - len(todo))
+                self._warn("writing a record", res)
+            elif res < 0:
+                too_large += 1
+            else:
+                self._remember(keys[i], res)
+                ok[i] = True
+        if too_large:
+            self.count("too_large", too_large)
         await self._evict()
         return ok
 
@@ -457,54 +498,58 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("reading records", exc) from None
 
-    async def _read_split(self, keys: Sequence[bytes], np_out: np.ndarray) -> list[Any]:
-        """Uncompressed records on a local file system: the payload lands in its row directly."""
-        assert isinstance(self._driver, LocalDriver)
-        fp = self.context.fingerprint
+    def _get_local(self, keys: Sequence[bytes], paths: list[str], np_out: np.ndarray, prefix: bytes,
+                   i: int) -> int | str | None:
+        """Read ``none`` record ``i`` into ``np_out[i]`` and verify it, in a worker thread.
 
-        def check(i: int, header: bytes, trailer: bytes) -> str:
-            try:
-                check_split_record(header, np_out[i], trailer, key=keys[i], fingerprint=fp,
-                                   record_len=len(header) + np_out[i].nbytes + TRAILER_LEN)
-                return ""
-            except CorruptRecord as exc:
-                return SPLIT_FALLBACK if exc.reason == "codec" else exc.reason
-
-        return await self._driver.read_split_many([self.path(k) for k in keys],
-                                                  [FIXED_HEADER_LEN + len(k) for k in keys], np_out, check)
+        One ``readv`` scatters the file into its header, the output row itself and its trailer
+        (plus a spare byte that catches longer files); the header must equal the one this key's
+        record has (``prefix`` + key: one compare checks every field) and the xxh3 of header and
+        row must match the trailer. Anything else (a record of another codec, a damaged or foreign
+        file) is read whole into a per-thread buffer and decoded by :func:`decode_record`, whose
+        verdict counts. Returns the record's size, a corruption reason, or None when absent.
+        """
+        key, row = keys[i], np_out[i]
+        head, tail = bytearray(len(prefix) + len(key)), bytearray(TRAILER_LEN + 1)
+        got = LocalDriver.read_scatter(paths[i], [head, row, tail])
+        if got is None:
+            return None
+        if got == len(head) + row.size + TRAILER_LEN and head.startswith(prefix) and head.endswith(key):
+            digest = xxhash.xxh3_64(head)
+            digest.update(row)
+            if digest.intdigest() == int.from_bytes(tail[:TRAILER_LEN], "little"):
+                return got
+        buf = _read_buffer(row.size + RECORD_OVERHEAD + 1)
+        got = LocalDriver.read_upto(paths[i], buf)
+        if got is None:
+            return None
+        try:
+            decode_record(buf[:got], key=key, fingerprint=self.context.fingerprint,
+                          max_raw_bytes=row.size, out=row)
+        except CorruptRecord as exc:
+            return exc.reason
+        return got
 
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         out8 = out.view(torch.uint8).reshape(len(keys), -1)
         block_bytes = out8.shape[1]
         np_out = out8.numpy()
-        n = len(keys)
-        datas: list[Any] = [None] * n
-        verdicts: list[str | None] = [None] * n
-        todo = list(range(n))
-        if self.cfg.codec == "none" and isinstance(self._driver, LocalDriver):
-            split = await self._read_split(keys, np_out)
-            todo = []
-            for i, r in enumerate(split):
-                if r == SPLIT_FALLBACK:
-                    todo.append(i)
-                elif isinstance(r, str):
-                    verdicts[i] = r
-                    datas[i] = FIXED_HEADER_LEN + len(keys[i]) + block_bytes + TRAILER_LEN
-                else:
-                    datas[i] = r
-        if todo:
-            sub_keys = [keys[i] for i in todo]
-            limit = block_bytes + RECORD_OVERHEAD
-            read = await self.driver.read_many([self.path(k) for k in sub_keys], limit)
-            sub_out = np_out[todo] if len(todo) != n else np_out
-            if self.cfg.codec == "none" and sub_out.nbytes <= INLINE_CODEC_BYTES:
-                sub_v = self._decode_into(sub_keys, read, sub_out, block_bytes)
+        datas: list[Any]
+        verdicts: list[Any]
+        if isinstance(self._driver, LocalDriver) and self.cfg.codec == "none" and keys:
+            # the fixed header every none record of this tier's blocks has, up to the key
+            prefix = none_header(key=keys[0], fingerprint=self.context.fingerprint, raw_len=block_bytes,
+                                 elem_size=self.cfg.elem_size)[:-len(keys[0])]
+            paths = [self.path(k) for k in keys]
+            one = functools.partial(self._get_local, keys, paths, np_out, prefix)
+            datas = list(await self._driver.map(one, len(keys)))
+            verdicts = ["" if isinstance(r, int) else r for r in datas]
+        else:
+            datas = await self.driver.read_many([self.path(k) for k in keys], block_bytes + RECORD_OVERHEAD)
+            if self.cfg.codec == "none" and np_out.nbytes <= INLINE_CODEC_BYTES:
+                verdicts = self._decode_into(keys, datas, np_out, block_bytes)
             else:
-                sub_v = await self.driver.run(self._decode_into, sub_keys, read, sub_out, block_bytes)
-            if len(todo) != n:
-                np_out[todo] = sub_out
-            for j, i in enumerate(todo):
-                datas[i], verdicts[i] = read[j], sub_v[j]
+                verdicts = await self.driver.run(self._decode_into, keys, datas, np_out, block_bytes)
         found, corrupt = [], []
         learned = False
         for k, data, v in zip(keys, datas, verdicts, strict=True):
