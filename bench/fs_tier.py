@@ -2,7 +2,7 @@
 
     python bench/fs_tier.py [--blocks 2000] [--block-kib 256] [--repeats 5] [--s3/--no-s3]
                             [--s3-blocks 200] [--codec-blocks 500] [--batch 64] [--inflight 16]
-                            [--io-threads 4] [--sections file,store,s3,codec] [--moto-inproc]
+                            [--io-threads N] [--sections file,store,s3,codec] [--moto-inproc]
                             [--dir DIR] [--json FILE]
 
 Every figure is the median over ``--repeats`` rounds (after one untimed warm-up round). Each ratio
@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from tierkv.backends.base import Tier, TierContext
-from tierkv.backends.fsspec import FsspecTier
+from tierkv.backends.fsspec import FsspecTier, default_io_threads
 from tierkv.backends.registry import get_backend
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
@@ -207,6 +207,11 @@ def tier_bytes(root: str) -> int:
 def record_len(layout: Layout, key: bytes, block: np.ndarray) -> int:
     """The size of one ``none`` record of ``block`` (header, key, payload, trailer)."""
     return len(encode_record(key=key, fingerprint=layout.fingerprint(NAMESPACE), payload=block, codec="none"))
+
+
+def local_threads(a: argparse.Namespace) -> int:
+    """The worker threads of the bench's file:// tiers."""
+    return int(a.io_threads or default_io_threads(local=True))
 
 
 def rotate(items: list[Any], k: int) -> list[Any]:
@@ -369,7 +374,7 @@ class FileBench:
     def report(self, out: dict[str, Any]) -> None:
         a, s, total = self.args, self.s, self.n * self.bb
         print(f"\nfile:// codec none: {self.n} blocks x {a.block_kib} KiB ({total / 1e6:,.0f} MB), "
-              f"batches of {a.batch}, io_threads {a.io_threads}, conc = {a.inflight} calls in flight; "
+              f"batches of {a.batch}, io_threads {local_threads(a)}, conc = {a.inflight} calls in flight; "
               f"loads read the page cache")
         print(f"  {'':<44}{'MB/s':>10}{'x same-path':>12}{'x flat':>12}")
         fig: dict[str, Any] = {}
@@ -487,7 +492,7 @@ class S3Bench:
             await s3.__aexit__(None, None, None)
 
     async def round(self, rnd: int) -> None:
-        a, fs, conc = self.args, self.fs, self.args.io_threads
+        a, fs, conc = self.args, self.fs, self.args.io_threads or default_io_threads(local=False)
         s = self.s if rnd else None
         keys = [make_key(h, GROUP) for h in hashes_for(f"s3{rnd}", self.n)]
         raw_paths = [f"bench-raw/r{rnd}/{k.hex()}.bin" for k in keys]
@@ -526,7 +531,8 @@ class S3Bench:
         a, s, total = self.args, self.s, self.n * self.bb
         where = "in this process" if a.moto_inproc else "in a child process"
         print(f"\ns3:// on moto ThreadedMotoServer (127.0.0.1, {where}): {self.n} blocks x {a.block_kib} KiB "
-              f"({total / 1e6:,.0f} MB; fewer blocks: moto is slow), codec none, {a.io_threads} requests "
+              f"({total / 1e6:,.0f} MB; fewer blocks: moto is slow), codec none, "
+              f"{a.io_threads or default_io_threads(local=False)} requests "
               f"in flight (io_threads) on both sides")
         print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}")
         fig: dict[str, Any] = {}
@@ -599,7 +605,7 @@ class CodecBench:
     def report(self, out: dict[str, Any]) -> None:
         a, s, total = self.args, self.s, self.n * self.bb
         print(f"\ncodecs through the tier (file://): {self.n} blocks x {a.block_kib} KiB of KV-like bf16 "
-              f"({total / 1e6:,.0f} MB), conc = {a.inflight} calls in flight, io_threads {a.io_threads}")
+              f"({total / 1e6:,.0f} MB), conc = {a.inflight} calls in flight, io_threads {local_threads(a)}")
         print(f"  {'codec':<14}{'ratio':>8}{'store MB/s':>12}{'x raw write':>12}{'load MB/s':>12}"
               f"{'x raw read':>12}")
         print(f"  {'raw loop':<14}{1.0:>8.3f}{s.mbs('w raw', total):>12,.0f}{1.0:>12.3f}"
@@ -659,7 +665,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64, help="keys per tier call (default 64)")
     ap.add_argument("--inflight", type=int, default=16,
                     help="tier calls in flight for 'conc' rows and the store (default 16, the store's)")
-    ap.add_argument("--io-threads", type=int, default=4, help="the tier's io_threads (default 4)")
+    ap.add_argument("--io-threads", type=int, default=None,
+                    help="the tier's io_threads (default: the tier's own, CPU count 2-8 local, 4 on S3)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--moto-inproc", action="store_true", help="run moto in this process (shares the GIL)")
     ap.add_argument("--dir", default=None, help="where files go (default: the system temp dir)")
@@ -669,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad := set(args.sections) - set(SECTIONS):
         ap.error(f"unknown sections: {', '.join(sorted(bad))}")
     if min(args.blocks, args.block_kib, args.repeats, args.s3_blocks, args.codec_blocks, args.batch,
-           args.inflight, args.io_threads) < 1:
+           args.inflight, args.io_threads or 1) < 1:
         ap.error("counts must be positive")
     print(f"tierkv fs_tier bench: {os.cpu_count()} CPUs {platform.machine()}, Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}; medians of "

@@ -26,7 +26,7 @@ from tierkv.backends.fsio import _HOST, TEMP_MARK
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.errors import BackendError
 from tierkv.keys import make_key
-from tierkv.record import FIXED_HEADER_LEN, TRAILER_LEN, encode_record, read_header
+from tierkv.record import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
 from tierkv.testing import conformance_layout
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module
@@ -225,9 +225,10 @@ async def test_foreign_empty_wrong_fingerprint_wrong_key_and_absurd_sizes(corrup
     huge = bytearray(_record(c.key, data))
     struct.pack_into("<QQ", huge, 40, 1 << 40, 1 << 40)  # allowed by the format, not by block_bytes
     cases.append((_fix_checksum(huge), "size"))
-    version = bytearray(good)
-    struct.pack_into("<H", version, 8, 2)
-    cases.append((_fix_checksum(version), "version"))
+    for v in (FORMAT_VERSION - 1, FORMAT_VERSION + 1):  # an older and a newer format
+        version = bytearray(good)
+        struct.pack_into("<H", version, 8, v)
+        cases.append((_fix_checksum(version), "version"))
     # a zstd "bomb": a small frame that declares 64 MiB behind a header that claims block_bytes
     frame = zstandard.ZstdCompressor().compress(bytes(64 << 20))
     bomb = bytearray(_record(c.key, data, codec="zstd"))
@@ -595,3 +596,36 @@ def test_redact_url_and_config_repr() -> None:
 
     assert red.error(Group("outer")) == "ValueError: leaf ***"
 
+
+
+async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() -> None:
+    """Local jobs write into the caller's buffers: none may run on after a cancelled call returns."""
+    import threading
+    import time
+
+    from tierkv.backends.fsio import LocalDriver
+
+    driver = LocalDriver(anyio.CapacityLimiter(2), threads=2, fsync=False)
+    lock, running, started, finished = threading.Lock(), [0], [0], [0]
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            started[0] += 1
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+            finished[0] += 1
+        return i
+
+    try:
+        with anyio.move_on_after(0.02):
+            await driver.map(job, 40)
+        assert running[0] == 0 and started[0] == finished[0]
+        assert 0 < started[0] < 40  # the chunks that had not started were dropped
+        done = started[0]
+        await anyio.sleep(0.15)
+        assert started[0] == done  # nothing queued runs later
+        assert await driver.map(lambda i: i * 2, 5) == [0, 2, 4, 6, 8]  # the driver still works
+    finally:
+        await driver.close()

@@ -93,13 +93,18 @@ def build(
     planes: tuple[tuple[int, int], ...] = (),
     key: bytes = KEY,
     fp: str = FP,
-    version: int = 1,
+    version: int = 2,
     checksum_id: int = 1,
     flags: int = 0,
+    padding: bytes | None = None,
 ) -> bytes:
     """A record written from the spec alone: planes are (stored_len, mode) pairs."""
     table = b"".join(SPEC_PLANE.pack(stored, mode) for stored, mode in planes)
-    header_len = 56 + len(key) + len(table)
+    unpadded = 56 + len(key) + len(table)
+    header_len = (unpadded + 63) // 64 * 64
+    if padding is None:
+        padding = bytes(header_len - unpadded)
+    assert len(padding) == header_len - unpadded
     fixed = SPEC_FIXED.pack(
         SPEC_MAGIC,
         version,
@@ -114,7 +119,7 @@ def build(
         raw_len,
         len(payload),
     )
-    return seal(fixed + key + table + payload)
+    return seal(fixed + key + table + padding + payload)
 
 
 def patch(record: bytes, offset: int, fmt: str, value: int) -> bytes:
@@ -235,10 +240,12 @@ def test_layout_matches_the_spec(codec: str) -> None:
     fields = SPEC_FIXED.unpack_from(record, 0)
     magic, version, codec_id, checksum_id, elem_size, n_planes, key_len, header_len, flags = fields[:9]
     fp, raw_len, stored_len = fields[9:]
-    assert (magic, version, codec_id, checksum_id, elem_size) == (SPEC_MAGIC, 1, CODEC_IDS[codec], 1, 2)
+    assert (magic, version, codec_id, checksum_id, elem_size) == (SPEC_MAGIC, 2, CODEC_IDS[codec], 1, 2)
     assert n_planes == (2 if codec == "zstd-shuffle" else 0)
     assert (key_len, flags, fp, raw_len) == (len(KEY), 0, bytes.fromhex(FP), block.size)
-    assert header_len == 56 + len(KEY) + 16 * n_planes
+    unpadded = 56 + len(KEY) + 16 * n_planes
+    assert header_len % 64 == 0 and unpadded <= header_len < unpadded + 64
+    assert record[unpadded:header_len] == bytes(header_len - unpadded)
     assert record[56 : 56 + key_len] == KEY
     assert len(record) == header_len + stored_len + 8
     (digest,) = struct.unpack_from("<Q", record, len(record) - 8)
@@ -473,7 +480,13 @@ def test_plane_table_inconsistencies() -> None:
 
 def test_header_fields_with_a_valid_checksum() -> None:
     payload = b"abcdefgh"
-    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=2))) == "version"
+    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=1))) == "version"
+    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=3))) == "version"
+    odd_key = KEY + b"\x07"  # 56 + 37 bytes: 35 bytes of padding to 128
+    padded = build(codec="none", raw_len=8, payload=payload, key=odd_key, padding=bytes(34) + b"\x01")
+    assert reason_of(lambda: decode(padded, key=odd_key)) == "version"
+    zero_padded = build(codec="none", raw_len=8, payload=payload, key=odd_key)
+    assert decode(zero_padded, key=odd_key).tobytes() == payload
     assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, flags=1))) == "version"
     assert (
         reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, checksum_id=2)))
@@ -485,6 +498,8 @@ def test_header_fields_with_a_valid_checksum() -> None:
     record = build(codec="none", raw_len=8, payload=payload)
     assert reason_of(lambda: decode(reseal(patch(record, 10, "<B", 3)))) == "codec"
     assert reason_of(lambda: decode(reseal(patch(record, 16, "<I", 57 + len(KEY))))) == "size"
+    # version 1's unpadded header length is not a version 2 header length
+    assert reason_of(lambda: decode(reseal(patch(record, 16, "<I", 56 + len(KEY))))) == "size"
 
 
 def zstd_record(frame: bytes, raw_len: int) -> bytes:
@@ -624,15 +639,16 @@ def test_any_single_byte_change_is_refused(payload: bytes, codec: str, where: fl
 
 
 GOLDEN_NONE = """
-89 54 4b 56 0d 0a 1a 0a 01 00 00 01 02 00 08 00 40 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
+89 54 4b 56 0d 0a 1a 0a 02 00 00 01 02 00 08 00 40 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
 01 23 45 67 89 ab cd ef 0e 00 00 00 00 00 00 00 0e 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
-68 65 6c 6c 6f 2c 20 74 69 65 72 6b 76 21 b7 e0 59 c2 c5 c9 54 b3
+68 65 6c 6c 6f 2c 20 74 69 65 72 6b 76 21 1c 06 f7 a0 36 70 4c a0
 """
 GOLDEN_SHUFFLE = """
-89 54 4b 56 0d 0a 1a 0a 01 00 02 01 02 02 08 00 60 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
+89 54 4b 56 0d 0a 1a 0a 02 00 02 01 02 02 08 00 80 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
 01 23 45 67 89 ab cd ef 0f 00 00 00 00 00 00 00 0f 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
 07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
-68 6c 6f 20 69 72 76 65 6c 2c 74 65 6b 21 21 04 f9 e8 83 e3 3b 5a 9c
+00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
+68 6c 6f 20 69 72 76 65 6c 2c 74 65 6b 21 21 82 0f a6 76 2a 1f a1 30
 """
 
 

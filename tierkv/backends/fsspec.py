@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ import anyio
 import numpy as np
 import torch
 import xxhash
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.fsio import (
@@ -49,10 +50,17 @@ from tierkv.backends.fsio import (
 )
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.keys import key_relpath, split_key
-from tierkv.record import TRAILER_LEN, decode_record, encode_record, encode_record_parts, none_header
+from tierkv.record import (
+    FIXED_HEADER_LEN,
+    TRAILER_LEN,
+    decode_record,
+    encode_record,
+    encode_record_parts,
+    none_header,
+)
 
-__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "open_driver", "record_path",
-           "redact_url"]
+__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_threads", "open_driver",
+           "record_path", "redact_url"]
 
 log = logging.getLogger("tierkv.fsspec")
 
@@ -75,7 +83,9 @@ class FsspecTierConfig(TierConfig):
     elem_size: int = 2
     zstd_level: int = 1
     fsync: bool = False
-    io_threads: int = 4
+    #: local paths: worker threads (default: the CPU count, 2 to 8); other file systems: worker
+    #: threads or concurrent requests (default 4)
+    io_threads: PositiveInt | None = None
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = 3600.0
     #: rebuild capacity accounting in the background after start
@@ -183,9 +193,18 @@ def _split_userinfo(url: str, protocol: str,
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
 
 
+def default_io_threads(*, local: bool) -> int:
+    """``io_threads`` when not set: the CPU count (2 to 8) for local paths, else 4 requests."""
+    return max(2, min(8, os.cpu_count() or 2)) if local else 4
+
+
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
-                threads: int, fsync: bool) -> tuple[Driver, str]:
+                threads: int | None, fsync: bool) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
+
+    Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
+    CPU work, and more threads than cores only contend); other file systems are bounded by
+    ``limiter``.
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
@@ -197,9 +216,8 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         parts = urlsplit(url)
         root = (parts.netloc + parts.path) if parts.scheme else url
         if not root.startswith("/"):
-            import os
-
             root = os.path.abspath(root)
+        threads = threads or default_io_threads(local=True)
         return LocalDriver(limiter, threads, fsync), root.rstrip("/") or "/"
     import fsspec
 
@@ -292,7 +310,7 @@ class FsspecTier(Tier):
         Raises :class:`~tierkv.errors.BackendError` (no credentials in it) when the file system
         cannot be reached or written.
         """
-        limiter = anyio.CapacityLimiter(max(1, self.cfg.io_threads))
+        limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
             self._driver, self.root = open_driver(self.cfg.url, self.cfg.storage_options, limiter,
                                                   self.cfg.io_threads, self.cfg.fsync)
@@ -498,29 +516,33 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("reading records", exc) from None
 
-    def _get_local(self, keys: Sequence[bytes], paths: list[str], np_out: np.ndarray, prefix: bytes,
+    def _get_local(self, keys: Sequence[bytes], np_out: np.ndarray, heads: dict[int, tuple[bytes, bytes]],
                    i: int) -> int | str | None:
         """Read ``none`` record ``i`` into ``np_out[i]`` and verify it, in a worker thread.
 
         One ``readv`` scatters the file into its header, the output row itself and its trailer
         (plus a spare byte that catches longer files); the header must equal the one this key's
-        record has (``prefix`` + key: one compare checks every field) and the xxh3 of header and
+        record has (``heads[len(key)]`` around the key: one compare checks every field; the
+        padded header puts the payload at a 64-byte offset, the fast case of the kernel's copy into
+        the row) and the xxh3 of header and
         row must match the trailer. Anything else (a record of another codec, a damaged or foreign
         file) is read whole into a per-thread buffer and decoded by :func:`decode_record`, whose
         verdict counts. Returns the record's size, a corruption reason, or None when absent.
         """
-        key, row = keys[i], np_out[i]
-        head, tail = bytearray(len(prefix) + len(key)), bytearray(TRAILER_LEN + 1)
-        got = LocalDriver.read_scatter(paths[i], [head, row, tail])
+        key, row, path = keys[i], np_out[i], self.path(keys[i])
+        fixed, pad = heads[len(key)]
+        expected = fixed + key + pad
+        head, tail = bytearray(len(expected)), bytearray(TRAILER_LEN + 1)
+        got = LocalDriver.read_scatter(path, [head, row, tail])
         if got is None:
             return None
-        if got == len(head) + row.size + TRAILER_LEN and head.startswith(prefix) and head.endswith(key):
+        if got == len(head) + row.size + TRAILER_LEN and head == expected:
             digest = xxhash.xxh3_64(head)
             digest.update(row)
             if digest.intdigest() == int.from_bytes(tail[:TRAILER_LEN], "little"):
                 return got
         buf = _read_buffer(row.size + RECORD_OVERHEAD + 1)
-        got = LocalDriver.read_upto(paths[i], buf)
+        got = LocalDriver.read_upto(path, buf)
         if got is None:
             return None
         try:
@@ -537,11 +559,14 @@ class FsspecTier(Tier):
         datas: list[Any]
         verdicts: list[Any]
         if isinstance(self._driver, LocalDriver) and self.cfg.codec == "none" and keys:
-            # the fixed header every none record of this tier's blocks has, up to the key
-            prefix = none_header(key=keys[0], fingerprint=self.context.fingerprint, raw_len=block_bytes,
-                                 elem_size=self.cfg.elem_size)[:-len(keys[0])]
-            paths = [self.path(k) for k in keys]
-            one = functools.partial(self._get_local, keys, paths, np_out, prefix)
+            # per key length: the header every none record of this tier's blocks has, around the key
+            heads = {}
+            for k in keys:
+                if len(k) not in heads:
+                    h = none_header(key=k, fingerprint=self.context.fingerprint, raw_len=block_bytes,
+                                    elem_size=self.cfg.elem_size)
+                    heads[len(k)] = (h[:FIXED_HEADER_LEN], h[FIXED_HEADER_LEN + len(k):])
+            one = functools.partial(self._get_local, keys, np_out, heads)
             datas = list(await self._driver.map(one, len(keys)))
             verdicts = ["" if isinstance(r, int) else r for r in datas]
         else:
