@@ -39,9 +39,9 @@ def offloading_config(tmp_path: Path, groups: list[tuple[int, int]], extra: dict
                                                data_parallel_rank_local=None, is_parallelism_agnostic=True))
 
 
-def kv_caches(n_groups: int) -> tuple[Any, torch.Tensor]:
+def kv_caches(n_groups: int, device: str = "cpu") -> tuple[Any, torch.Tensor]:
     """One shared int8 [blocks, page] tensor, one layer per offloaded group (like Gemma3)."""
-    t = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8)
+    t = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, device=device)
     caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE)],
                                     group_data_refs=[[base.CanonicalKVCacheRef(tensor_idx=0,
                                                                                page_size_bytes=PAGE)]
@@ -53,10 +53,10 @@ class Engine:
     """Spec, worker and manager wired as vLLM wires them (worker first)."""
 
     def __init__(self, tmp_path: Path, groups: list[tuple[int, int]], extra: dict[str, Any] | None = None,
-                 engine: str = "engine-a") -> None:
+                 engine: str = "engine-a", device: str = "cpu") -> None:
         os.makedirs(tmp_path / "shm", exist_ok=True)
         self.cfg = offloading_config(tmp_path, groups, extra or {}, engine)
-        self.caches, self.gpu = kv_caches(len(groups))
+        self.caches, self.gpu = kv_caches(len(groups), device)
         self.worker = TierKVOffloadingSpec(self.cfg).get_worker(self.caches)
         self.spec = TierKVOffloadingSpec(self.cfg)
         self.manager = self.spec.get_manager()
@@ -69,15 +69,18 @@ class Engine:
         self.job += 1
         src = base.GPULoadStoreSpec(blocks, group_sizes, [0] * len(group_sizes))
         assert self.worker.submit_store(self.job, src, out.store_spec)
+        self.worker.wait({self.job})
         assert [r.job_id for r in self.worker.get_finished()] == [self.job]
         self.manager.complete_store(out.keys_to_store, ctx)
         return out
 
-    def load(self, keys: list[bytes], blocks: list[int], group_sizes: list[int], ctx: Any) -> None:
+    def load(self, keys: list[bytes], blocks: list[int], group_sizes: list[int], ctx: Any,
+             **kw: Any) -> None:
         spec = self.manager.prepare_load(keys, ctx)
         self.job += 1
-        assert self.worker.submit_load(self.job, spec, base.GPULoadStoreSpec(blocks, group_sizes,
-                                                                             [0] * len(group_sizes)))
+        dst = base.GPULoadStoreSpec(blocks, group_sizes, [0] * len(group_sizes))
+        assert self.worker.submit_load(self.job, spec, dst, **kw)
+        self.worker.wait({self.job})
         res = self.worker.get_finished()
         assert len(res) == 1 and res[0].success
         self.manager.complete_load(keys, ctx)
@@ -125,6 +128,41 @@ def test_store_then_load_round_trips_the_bytes(engine: Engine) -> None:
     dst = [40, 41, 42, 43, 44, 45]
     engine.load(keys, dst, [3, 3], ctx("r2"))
     assert torch.equal(engine.gpu[dst], want)
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                     reason="needs a CUDA GPU"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_worker_jobs_follow_the_compute_stream_and_end_in_order(tmp_path: Path, device: str) -> None:
+    """KV written just before a store is what gets stored; results come once, in submission order,
+    with sizes and times; loads put the bytes back. On CUDA this is the worker's stream path."""
+    e = Engine(tmp_path, [(0, 16)], engine=f"order-{device}", device=device)
+    try:
+        keys = [key(i, 0) for i in range(8)]
+        stored = e.manager.prepare_store(keys, ctx("w"))
+        assert stored is not None
+        fresh = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8, device=device)
+        e.gpu[:8] = fresh  # on CUDA: queued on the compute stream right before the store
+        jobs = []
+        for j in range(4):  # four jobs of two blocks each
+            spec = type(stored.store_spec)(stored.store_spec.groups[2 * j:2 * j + 2],
+                                           stored.store_spec.slots[2 * j:2 * j + 2])
+            assert e.worker.submit_store(100 + j, base.GPULoadStoreSpec([2 * j, 2 * j + 1], [2], [0]), spec)
+            jobs.append(100 + j)
+        e.worker.wait({jobs[-1]})
+        done = e.worker.get_finished()
+        assert [r.job_id for r in done] == jobs and all(r.success for r in done)
+        assert all(r.transfer_size == 2 * PAGE and r.transfer_time >= 0 for r in done)
+        assert e.worker.get_finished() == []  # reported once
+        e.manager.complete_store(keys, ctx("w"))
+        c = ctx("r")
+        assert [e.manager.lookup(k, c) for k in keys] == [LookupResult.HIT] * 8
+        e.load(keys, list(range(40, 48)), [8], c, expedited=True)  # vLLM 0.33's synchronous load
+        assert torch.equal(e.gpu[40:48].cpu(), fresh.cpu())
+    finally:
+        e.close()
 
 
 def test_keys_already_held_are_not_stored_again(engine: Engine) -> None:

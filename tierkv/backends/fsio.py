@@ -124,6 +124,7 @@ class LocalDriver(Driver):
         self.fsync = fsync
         self._dirs: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
+        self._calls = 0  # map() calls in flight
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads."""
@@ -168,7 +169,13 @@ class LocalDriver(Driver):
                 except OSError as exc:
                     results[i] = exc
 
-        await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, self.threads)], stop)
+        # split a call over the threads only when there are not already enough calls to keep them busy
+        parts = 1 if self._calls >= self.threads else self.threads
+        self._calls += 1
+        try:
+            await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
+        finally:
+            self._calls -= 1
         return results
 
     async def close(self) -> None:

@@ -5,8 +5,11 @@ Block ``b`` of vLLM group position ``i`` is, per layer ref ``r`` of that group, 
 block row holds, for each rank, its refs' pages one after the other.
 
 On the CPU platform a transfer is one batched gather/scatter per ref, done when ``submit_*``
-returns. On CUDA, copies run on the worker's own stream through pinned staging buffers; an event
-marks each job's end and ``get_finished`` reports jobs whose event has completed.
+returns. On CUDA, copies run on the worker's own stream through pinned staging buffers, as vLLM's
+own CPU offloading does: the stream first waits for the compute stream (a store must not read KV
+the model is still writing, a load must not race pending writes to its blocks), jobs run in
+submission order, events around each job time it, and ``get_finished`` reports jobs whose end
+event has completed. The CUDA path has not run yet (no GPU machine; docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class _Job:
     job_id: int
     nbytes: int
     start: float
-    event: Any = None
+    start_event: Any = None
+    end_event: Any = None
     finish: Any = None  # CPU work to run once the device copy has completed
 
 
@@ -74,9 +78,19 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         self._pos = {c.group_id: i for i, c in enumerate(copies)}
         self._done: list[TransferResult] = []
         self._pending: dict[int, _Job] = {}
-        device = next((t.device for c in copies for t, _, _ in c.refs), torch.device("cpu"))
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.device = next((t.device for c in copies for t, _, _ in c.refs), torch.device("cpu"))
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def _begin(self) -> Any:
+        """CUDA: order this job after the compute stream's work so far; its start event."""
+        if not self.cuda:
+            return None
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record(self.stream)
+        return start
 
     def _pairs(self, gpu: GPULoadStoreSpec, ours: TierKVLoadStoreSpec) -> list[tuple[GroupCopy, Any, Any]]:
         block_ids = torch.as_tensor(gpu.block_ids, dtype=torch.int64)
@@ -103,6 +117,7 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         """Copy engine blocks into pool slots."""
         assert isinstance(dst_spec, TierKVLoadStoreSpec)
         t0 = time.perf_counter()
+        start = self._begin()
         nbytes = 0
         finish = []
         for gc, blocks, slots in self._pairs(src_spec, dst_spec):
@@ -118,13 +133,19 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
                 else:
                     pool[slots, lo:hi] = t[blocks, :page].view(torch.uint8)
                 nbytes += len(blocks) * page
-        self._submit(job_id, nbytes, t0, finish, store=True)
+        self._submit(job_id, nbytes, t0, start, finish)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Copy pool slots into engine blocks."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """Copy pool slots into engine blocks.
+
+        ``expedited`` (vLLM 0.33: a load the engine waits for in this step) changes nothing: on
+        the CPU platform every load is done on return; on CUDA the engine calls ``wait`` for it.
+        """
         assert isinstance(src_spec, TierKVLoadStoreSpec)
         t0 = time.perf_counter()
+        start = self._begin()
         nbytes = 0
         for gc, blocks, slots in self._pairs(dst_spec, src_spec):
             pool = self.pools[gc.group_id]
@@ -140,35 +161,39 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
                 else:
                     t[blocks, :page] = rows.view(torch.int8)
                 nbytes += len(blocks) * page
-        self._submit(job_id, nbytes, t0, [], store=False)
+        self._submit(job_id, nbytes, t0, start, [])
         return True
 
-    def _submit(self, job_id: int, nbytes: int, t0: float, finish: list[Any], store: bool) -> None:
+    def _submit(self, job_id: int, nbytes: int, t0: float, start: Any, finish: list[Any]) -> None:
         if not self.cuda:
             self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                                              transfer_time=time.perf_counter() - t0))
             return
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        self._pending[job_id] = _Job(job_id, nbytes, t0, event, finish)
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(self.stream)
+        self._pending[job_id] = _Job(job_id, nbytes, t0, start, end, finish)
 
     def _complete(self, job: _Job) -> None:
         for pool, slots, lo, hi, staged in job.finish or []:
             pool[slots, lo:hi] = staged.view(torch.uint8)
+        seconds = job.start_event.elapsed_time(job.end_event) * 1e-3
         self._done.append(TransferResult(job_id=job.job_id, success=True, transfer_size=job.nbytes,
-                                         transfer_time=time.perf_counter() - job.start))
+                                         transfer_time=seconds))
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs done since the last call."""
-        for job_id in [j for j, job in self._pending.items() if job.event.query()]:
+        """Jobs done since the last call, in submission order."""
+        for job_id in list(self._pending):  # one stream: jobs end in the order they were submitted
+            if not self._pending[job_id].end_event.query():
+                break
             self._complete(self._pending.pop(job_id))
         done, self._done = self._done, []
         return done
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until these jobs are done (they are still reported by ``get_finished``)."""
-        for job_id in list(job_ids):
-            job = self._pending.pop(job_id, None)
-            if job is not None:
-                job.event.synchronize()
-                self._complete(job)
+        for job_id in list(self._pending):
+            if not job_ids & self._pending.keys():
+                break
+            job = self._pending.pop(job_id)
+            job.end_event.synchronize()
+            self._complete(job)
