@@ -397,6 +397,10 @@ class AsyncDriver(Driver):
         super().__init__(limiter)
         self.fs = fs
 
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``fn`` (encoding, checking) in a worker thread: no request slot is taken."""
+        return await anyio.to_thread.run_sync(fn, *args)
+
     async def _gather(self, fn: Callable[..., Any], args: list[tuple[Any, ...]],
                       absent_ok: bool = True) -> list[Any]:
         """``fn(*a)`` for each ``a``, concurrently; per call its result, or the error it raised.
