@@ -522,12 +522,12 @@ class FsspecTier(Tier):
 
         One ``readv`` scatters the file into its header, the output row itself and its trailer
         (plus a spare byte that catches longer files); the header must equal the one this key's
-        record has (``heads[len(key)]`` around the key: one compare checks every field; the
-        padded header puts the payload at a 64-byte offset, the fast case of the kernel's copy into
-        the row) and the xxh3 of header and
-        row must match the trailer. Anything else (a record of another codec, a damaged or foreign
-        file) is read whole into a per-thread buffer and decoded by :func:`decode_record`, whose
-        verdict counts. Returns the record's size, a corruption reason, or None when absent.
+        record has (``heads[len(key)]`` around the key: one compare checks every field) and the
+        xxh3 of header and row must match the trailer. The padded header puts the payload at a
+        64-byte file offset, the fast case of the kernel's copy into the row. Anything else (a
+        record of another codec, a damaged or foreign file) is read whole into a per-thread buffer
+        and decoded by :func:`decode_record`, whose verdict counts. Returns the record's size, a
+        corruption reason, or None when absent.
         """
         key, row, path = keys[i], np_out[i], self.path(keys[i])
         fixed, pad = heads[len(key)]
