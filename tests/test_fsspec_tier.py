@@ -619,8 +619,11 @@ async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() 
         return i
 
     try:
-        with anyio.move_on_after(0.02):
-            await driver.map(job, 40)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(driver.map, job, 40)
+            while started[0] == 0:  # cancel once jobs run
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
         assert running[0] == 0 and started[0] == finished[0]
         assert 0 < started[0] < 40  # the chunks that had not started were dropped
         done = started[0]
