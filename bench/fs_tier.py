@@ -209,6 +209,11 @@ def record_len(layout: Layout, key: bytes, block: np.ndarray) -> int:
     return len(encode_record(key=key, fingerprint=layout.fingerprint(NAMESPACE), payload=block, codec="none"))
 
 
+def one_group_layout(block_bytes: int) -> Layout:
+    """The bench's layout: one full-attention group of ``block_bytes`` blocks."""
+    return Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=block_bytes)])
+
+
 def local_threads(a: argparse.Namespace) -> int:
     """The worker threads of the bench's file:// tiers."""
     return int(a.io_threads or default_io_threads(local=True))
@@ -270,7 +275,7 @@ class FileBench:
         self.args = args
         self.base = base
         self.n, self.bb = args.blocks, args.block_kib << 10
-        self.layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=self.bb)])
+        self.layout = one_group_layout(self.bb)
         rng = np.random.default_rng(0)
         self.src = torch.from_numpy(rng.integers(0, 256, (self.n, self.bb), dtype=np.uint8))
         rec = record_len(self.layout, make_key(b"\0" * 32, GROUP), self.src[0].numpy())
@@ -464,7 +469,7 @@ class S3Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.n, self.bb = args.s3_blocks, args.block_kib << 10
-        self.layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=self.bb)])
+        self.layout = one_group_layout(self.bb)
         rng = np.random.default_rng(1)
         self.src = torch.from_numpy(rng.integers(0, 256, (self.n, self.bb), dtype=np.uint8))
         self.rec = record_len(self.layout, make_key(b"\0" * 32, GROUP), self.src[0].numpy())
@@ -564,7 +569,7 @@ class CodecBench:
         self.args = args
         self.base = base
         self.n, self.bb = args.codec_blocks, args.block_kib << 10
-        self.layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=self.bb)])
+        self.layout = one_group_layout(self.bb)
         self.src = torch.from_numpy(kv_blocks(self.n, self.bb)).view(torch.bfloat16)
         self.src8 = self.src.view(torch.uint8)
         self.raw_bufs = [memoryview(r) for r in self.src8.numpy()]

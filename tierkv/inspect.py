@@ -461,7 +461,7 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                         report.errors.append(Problem(rel, "unreadable", redact.error(data)))
                     else:
                         items.append((data, rel, fp, layout, bound))
-                verdicts = await driver.run(_check_batch, items)
+                verdicts = await driver.compute(_check_batch, items)
                 for (_, rel, _, _, _), problem in zip(items, verdicts, strict=True):
                     report.checked += 1
                     if problem is None:

@@ -67,8 +67,12 @@ class Driver:
         self.limiter = limiter
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking ``fn`` in a worker thread bounded by this tier's limiter."""
+        """Run blocking I/O ``fn`` in a worker thread bounded by this tier's limiter."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (encoding, checking records) in a worker thread; it takes no I/O slot."""
+        return await anyio.to_thread.run_sync(fn, *args)
 
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """Publish each ``(path, data)`` atomically; per item, None or the error it raised."""
@@ -396,10 +400,6 @@ class AsyncDriver(Driver):
     def __init__(self, limiter: anyio.CapacityLimiter, fs: Any) -> None:
         super().__init__(limiter)
         self.fs = fs
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking ``fn`` (encoding, checking) in a worker thread: no request slot is taken."""
-        return await anyio.to_thread.run_sync(fn, *args)
 
     async def _gather(self, fn: Callable[..., Any], args: list[tuple[Any, ...]],
                       absent_ok: bool = True) -> list[Any]:

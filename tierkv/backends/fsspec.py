@@ -471,7 +471,7 @@ class FsspecTier(Tier):
             if self.cfg.codec == "none" and rows.nbytes <= INLINE_CODEC_BYTES:
                 records = self._encode(keys, rows)
             else:
-                records = await self.driver.run(self._encode, keys, rows)
+                records = await self.driver.compute(self._encode, keys, rows)
             cap = self.cfg.capacity_bytes
             results = [-len(r) for r in records]
             todo = [i for i, r in enumerate(records) if cap is None or len(r) <= cap]
@@ -574,7 +574,7 @@ class FsspecTier(Tier):
             if self.cfg.codec == "none" and np_out.nbytes <= INLINE_CODEC_BYTES:
                 verdicts = self._decode_into(keys, datas, np_out, block_bytes)
             else:
-                verdicts = await self.driver.run(self._decode_into, keys, datas, np_out, block_bytes)
+                verdicts = await self.driver.compute(self._decode_into, keys, datas, np_out, block_bytes)
         found, corrupt = [], []
         learned = False
         for k, data, v in zip(keys, datas, verdicts, strict=True):

@@ -211,27 +211,24 @@ def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespac
 
 
 _M = "vllm:kv_offload_tierkv_"
+
+
+def _counter(documentation: str) -> OffloadingMetricMetadata:
+    return OffloadingCounterMetadata(documentation=documentation, labelnames=("tier",))
+
+
 #: Prometheus metrics this tier reports through ``get_stats`` (all labelled by ``tier``).
 METRICS: dict[str, OffloadingMetricMetadata] = {
-    _M + "probes": OffloadingCounterMetadata(
-        documentation="Existence probes of keys sent to the tierkv tier.", labelnames=("tier",)),
-    _M + "stores_skipped": OffloadingCounterMetadata(
-        documentation="Keys not written to the tierkv tier because it already holds them.",
-        labelnames=("tier",)),
-    _M + "stores_shed": OffloadingCounterMetadata(
-        documentation="Keys not written to the tierkv tier because its in-flight bounds were full.",
-        labelnames=("tier",)),
-    _M + "store_failures": OffloadingCounterMetadata(
-        documentation="Keys whose write to the tierkv tier failed.", labelnames=("tier",)),
-    _M + "load_failures": OffloadingCounterMetadata(
-        documentation="Keys whose promotion from the tierkv tier failed (missing, corrupt, unreadable).",
-        labelnames=("tier",)),
-    _M + "corrupt_records": OffloadingCounterMetadata(
-        documentation="Records that failed verification (checksum, key, fingerprint, size) and were "
-                      "removed.", labelnames=("tier",)),
-    _M + "evictions": OffloadingCounterMetadata(
-        documentation="Records removed from the tierkv tier to stay within capacity_bytes.",
-        labelnames=("tier",)),
+    _M + "probes": _counter("Existence probes of keys sent to the tierkv tier."),
+    _M + "stores_skipped": _counter("Keys not written to the tierkv tier because it already holds them."),
+    _M + "stores_shed": _counter("Keys not written to the tierkv tier because its in-flight bounds were "
+                                 "full."),
+    _M + "store_failures": _counter("Keys whose write to the tierkv tier failed."),
+    _M + "load_failures": _counter("Keys whose promotion from the tierkv tier failed (missing, corrupt, "
+                                   "unreadable)."),
+    _M + "corrupt_records": _counter("Records that failed verification (checksum, key, fingerprint, size) "
+                                     "and were removed."),
+    _M + "evictions": _counter("Records removed from the tierkv tier to stay within capacity_bytes."),
     _M + "used_bytes": OffloadingGaugeMetadata(
         documentation="Bytes of records the tierkv tier holds (as known to this process).",
         labelnames=("tier",)),
