@@ -43,3 +43,8 @@ def config(layout: Layout, *lower: dict[str, Any], slots: dict[int, int] | None 
         primary["capacity_bytes"] = capacity
     return {"layout": layout, "namespace": "test", "max_concurrent_requests": 2,
             "tiers": [primary, *lower], **kw}
+
+
+def group_stats(store: Any, group: int) -> Any:
+    """The ``stats().groups`` entry of one group."""
+    return next(g for g in store.stats().groups if g.group == group)

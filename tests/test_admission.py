@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FULL, REC, SW, blocks, config, hashes, hybrid_layout
+from helpers import FULL, REC, SW, blocks, config, group_stats, hashes, hybrid_layout
 from s3util import new_bucket, s3_endpoint, storage_options
 
 from tierkv import Lookup, PrefixLookup, TieredStore
@@ -63,8 +63,7 @@ async def test_fifo_admission_serves_the_first_asker_first() -> None:
             for g in (FULL, SW, REC):
                 await store.put(g, hs, blocks(2, layout.groups[g].block_bytes))
                 await store.flush()
-        for pool in store.pools.values():
-            pool.free(list(range(pool.num_slots)))
+        store.engine.clear()
         order = []
         waiting = {f"r{i}": docs[i] for i in range(3)}
         for _ in range(20):
@@ -90,13 +89,12 @@ async def test_a_queued_request_holds_no_pins_so_requests_never_deadlock() -> No
             for g in (FULL, SW, REC):
                 await store.put(g, hs, blocks(2, layout.groups[g].block_bytes))
                 await store.flush()
-        for pool in store.pools.values():
-            pool.free(list(range(pool.num_slots)))
+        store.engine.clear()
         assert store.lookup_prefix(a, request_id="A").state is Lookup.PENDING
         assert store.lookup_prefix(b, request_id="B").state is Lookup.PENDING
         assert store.stats().admission_queue == 1
-        held_by_b = store._requests["B"].pins
-        assert held_by_b == {}
+        # B holds no pins: every pinned slot is one of A's promotions (one block per group... 2 full)
+        assert sum(g.pinned for g in store.stats().groups) == sum(g.writing for g in store.stats().groups)
         await store.idle()
         assert store.lookup_prefix(a, request_id="A") == PrefixLookup(2, Lookup.HIT)
         store.release("A")
@@ -113,8 +111,8 @@ async def test_pending_not_miss_when_the_pool_is_full_of_in_flight_promotions() 
         await store.put(FULL, hashes(2, doc=1), blocks(2, 256))
         await store.flush()
         assert store.lookup(FULL, hashes(2), request_id="a") == [Lookup.PENDING] * 2
-        pool = store.pools[FULL]
-        assert pool.available() == 0 and pool.counts()["writing"] == 2
+        g = group_stats(store, FULL)
+        assert g.free + g.evictable == 0 and g.writing == 2
         # both slots are held by promotions in flight: another request waits, it does not miss
         assert store.lookup(FULL, hashes(2, doc=1)[:1], request_id="b") == [Lookup.PENDING]
         await store.idle()
@@ -147,14 +145,14 @@ async def test_no_slot_leaks_when_requests_abort_mid_promotion() -> None:
         hs = hashes(4)
         await store.put(FULL, hs, blocks(4, 256))
         await store.flush()
-        for pool in store.pools.values():
-            pool.free(list(range(pool.num_slots)))
+        store.engine.clear()
         assert store.lookup(FULL, hs, request_id="gone") == [Lookup.PENDING] * 4
         store.release("gone")  # aborted while its promotions are in flight
         await store.idle()
         g = store.stats().groups[0]
         assert g.pinned == 0 and g.writing == 0 and g.ready == 4
-        assert store.pools[FULL].available() == 4
+        g = group_stats(store, FULL)
+        assert g.free + g.evictable == 4
 
 
 async def test_failed_reads_free_their_slots_and_count_a_miss() -> None:
@@ -164,14 +162,14 @@ async def test_failed_reads_free_their_slots_and_count_a_miss() -> None:
         hs = hashes(3)
         await store.put(FULL, hs, blocks(3, 256))
         await store.flush()
-        for pool in store.pools.values():
-            pool.free(list(range(pool.num_slots)))
+        store.engine.clear()
         assert store.lookup(FULL, hs, request_id="r") == [Lookup.PENDING] * 3
         await store.idle()
         st = store.stats()
         assert st.tiers[1].promotions_failed == 3
         assert st.groups[0].writing == 0 and st.groups[0].pinned == 0
-        assert store.pools[FULL].available() == 4
+        g = group_stats(store, FULL)
+        assert g.free + g.evictable == 4
         assert store.lookup(FULL, hs, request_id="r") == [Lookup.MISS] * 3
         store.release("r")
         out = torch.zeros(3, 256, dtype=torch.uint8)

@@ -270,8 +270,7 @@ async def test_corrupt_records_are_misses_through_the_store(tmp_path: Path) -> N
         assert len(damaged) == 8
         for k, blob in zip(ks, damaged, strict=False):  # blocks 0..7 damaged, 8 and 9 sound
             Path(tier.path(k)).write_bytes(blob)
-        pool = store.pools[FULL]
-        pool.free(list(range(pool.num_slots)))  # forget the primary's copies
+        store.engine.clear()  # forget the primary's copies
         assert store.lookup(FULL, hs, request_id="r") == [Lookup.PENDING] * 10
         for _ in range(5):
             await store.idle()
@@ -450,8 +449,7 @@ async def test_faulty_tier_store_keeps_serving_and_leaks_nothing(
         # acknowledged is served
         faulty_tier.enabled = False
         await anyio.sleep(0.1)
-        pool = store.pools[FULL]
-        pool.free(list(range(pool.num_slots)))
+        store.engine.clear()
         stored = st.tiers[1].stores
         got = 0
         for i in range(16):

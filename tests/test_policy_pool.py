@@ -297,7 +297,7 @@ def test_counts() -> None:
     s = fill(pool, [k(0), k(1)])
     pool.allocate([k(2)])
     pool.pin(s[1])
-    assert pool.counts() == {"free": 2, "writing": 1, "ready": 2, "pinned": 1}
+    assert pool.counts() == {"free": 2, "writing": 1, "ready": 2, "pinned": 1, "evictable": 1}
 
 
 def _brute_available(pool: SlotPool) -> int:

@@ -7,7 +7,7 @@ import inspect
 import anyio
 import pytest
 import torch
-from helpers import FULL, REC, SCRATCH, SW, blocks, config, hashes, hybrid_layout
+from helpers import FULL, REC, SCRATCH, SW, blocks, config, group_stats, hashes, hybrid_layout
 
 from tierkv import (
     BlockMissing,
@@ -57,7 +57,7 @@ async def test_evicted_blocks_come_back_from_the_lower_tier() -> None:
         for i in range(12):
             await store.put(FULL, hs[i:i + 1], data[i:i + 1])
             await store.flush()
-        assert store.pools[FULL].evictions == 8
+        assert group_stats(store, FULL).evictions == 8
         assert store.lookup(FULL, hs[:4], request_id="r") == [Lookup.PENDING] * 4
         out = torch.zeros_like(data)
         await store.get(FULL, hs, out, request_id="r")
@@ -107,12 +107,12 @@ async def test_promoted_slot_is_pinned_for_its_request() -> None:
         for d in range(3, 8):
             await store.put(FULL, hashes(2, doc=d), blocks(2, bb(FULL), seed=d))
         assert store.lookup(FULL, a, request_id="A") == [Lookup.HIT]
-        slot = store.pools[FULL].slot_of(a[0] + FULL.to_bytes(4, "big"))
-        assert slot is not None and store.pools[FULL].pins[slot] == 1
+        await store.flush()  # cascades pin the slots they read: only A's pin is left after them
+        assert group_stats(store, FULL).pinned == 1
         out = torch.zeros_like(da)
         await store.get(FULL, a, out, request_id="A")
         assert torch.equal(out, da)
-        assert store.pools[FULL].pins[slot] == 0
+        assert group_stats(store, FULL).pinned == 0
 
 
 async def test_release_drops_pins() -> None:
@@ -164,8 +164,7 @@ async def test_lookup_prefix_pending_while_promotions_run_then_hit() -> None:
         for g in (FULL, SW, REC):
             await store.put(g, hs, blocks(4, bb(g), seed=g))
         await store.flush()
-        for pool in store.pools.values():
-            pool.free(list(range(pool.num_slots)))
+        assert store.engine.clear() == 12
         first = store.lookup_prefix(hs, request_id="r")
         assert first == PrefixLookup(4, Lookup.PENDING)
         await store.idle()
@@ -225,7 +224,7 @@ async def test_bad_lookup_is_refused(call) -> None:  # type: ignore[no-untyped-d
 
 async def test_scratch_groups_get_no_pool() -> None:
     async with TieredStore(config(LAYOUT, capacity=1 << 20)) as store:
-        assert SCRATCH not in store.pools
+        assert SCRATCH not in [g.group for g in store.stats().groups]
         assert [g.group for g in store.stats().plan.groups] == [FULL, SW, REC]
 
 
@@ -248,7 +247,7 @@ async def test_slots_override_below_floor_is_honoured_and_reported() -> None:
         plan = {g.group: g for g in store.stats().plan.groups}
         assert plan[REC].slots == 1 and plan[REC].floor == 4
         assert "below the floor" in plan[REC].reason
-        assert store.pools[REC].num_slots == 1
+        assert group_stats(store, REC).slots == 1
 
 
 async def test_unopened_store_refuses_calls() -> None:
@@ -363,8 +362,7 @@ async def test_a_tier_measured_slow_gets_its_cascades_shed_but_loads_still_serve
         t = store.stats().tiers[1]
         assert t.stores_shed >= 3
         assert t.stores + t.stores_shed == 6
-        for pool in store.pools.values():
-            pool.free([s for s in range(pool.num_slots) if pool.pins[s] == 0])
+        store.engine.clear()
         out = torch.zeros(1, bb(FULL), dtype=torch.uint8)
         await store.get(FULL, hashes(1, doc=0), out)  # promotions are never shed
         assert torch.equal(out, blocks(1, bb(FULL)))

@@ -8,7 +8,6 @@ the model.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from typing import ClassVar
 
 import anyio.from_thread
@@ -20,7 +19,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tierkv import BlockMissing, Lookup, TieredStore
 from tierkv.keys import make_key
-from tierkv.pool import SlotState
 
 LAYOUT = hybrid_layout(bb=64, window=2)
 GROUPS = (FULL, SW, REC)
@@ -71,7 +69,7 @@ class StoreMachine(RuleBasedStateMachine):
             if (g, h) not in self.model:
                 assert r is Lookup.MISS, "a block never stored must be a MISS"
             if r is Lookup.HIT:
-                assert self.store.pools[g].is_ready(make_key(h, g))
+                assert self.store.engine.ready_slots(g, [make_key(h, g)])[0] is not None
 
     @rule(hs=hash_lists, rid=rids)
     def lookup_prefix(self, hs: list[bytes], rid: str | None) -> None:
@@ -109,45 +107,13 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model))
     @rule()
     def evict_everything_unpinned(self) -> None:
-        def drop() -> None:
-            for pool in self.store.pools.values():
-                pool.free([s for s in range(pool.num_slots)
-                           if pool.pins[s] == 0 and pool.state[s] is SlotState.READY])
-
         self.portal.call(self.store.flush)
-        self.portal.call(drop)
-
-    def _pools(self) -> Iterator[tuple[int, object]]:
-        yield from self.store.pools.items()
+        self.portal.call(self.store.engine.clear)
 
     @invariant()
     def pool_accounting(self) -> None:
-        def check() -> None:
-            for g, pool in self.store.pools.items():
-                free = pool._free
-                assert len(free) == len(set(free)), f"group {g}: a slot is free twice"
-                resident = set(pool.index.values())
-                assert len(resident) == len(pool.index), f"group {g}: a slot is owned twice"
-                assert not resident & set(free), f"group {g}: a slot is both free and owned"
-                assert len(resident) + len(free) == pool.num_slots, f"group {g}: a slot leaked"
-                for k, s in pool.index.items():
-                    assert pool.slot_key[s] == k and pool.state[s] is not SlotState.FREE
-                for s in free:
-                    assert pool.state[s] is SlotState.FREE and pool.pins[s] == 0
-                evictable = sum(1 for s in range(pool.num_slots)
-                                if pool.state[s] is SlotState.READY and pool.pins[s] == 0)
-                assert pool.available() == len(free) + evictable
-                request_pins = [0] * pool.num_slots
-                for req in self.store._requests.values():
-                    for key, grp in req.pins.items():
-                        if grp == g:
-                            s = pool.slot_of(key)
-                            assert s is not None, "a request pins a key that is not resident"
-                            request_pins[s] += 1
-                if self.store._cascades == 0:
-                    assert request_pins == pool.pins, f"group {g}: pins do not match requests"
-
-        self.portal.call(check)
+        problems = self.portal.call(self.store.check)  # type: ignore[arg-type]
+        assert not problems, problems
 
 
 class FaultyStoreMachine(StoreMachine):

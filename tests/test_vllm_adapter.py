@@ -244,7 +244,7 @@ def test_scratch_group_from_the_report_gets_no_keys_slots_or_files(tmp_path: Pat
     try:
         layout = e.manager.layout
         assert [g.kind for g in layout.groups] == ["full", "scratch", "recurrent"]
-        assert sorted(e.manager.store.pools) == [0, 2]
+        assert sorted(g.group for g in e.manager.store.stats().groups) == [0, 2]
         assert e.manager.lookup(key(1, 1), ctx("r")) is LookupResult.MISS
         e.store([key(1, 0), key(1, 2)], [3, 4], [1, 1], ctx("w"))
         e.manager.store.stats()

@@ -236,7 +236,7 @@ def test_store_skips_keys_already_held(make: Callable[..., Setup]) -> None:
     assert res.job_id == 10_000 and res.success and res.transfer_bytes == 0
     stats = s.tier.get_stats()
     assert stats is not None
-    assert stats.reduce()["vllm:kv_offload_tierkv_stores_skipped:('TierKVSecondaryTier',)"] == 3
+    assert stats.reduce()["tierkv_tier_stores_skipped_total:('TierKVSecondaryTier', 'fsspec')"] == 3
     s.mgr.on_request_finished(c)
 
 
@@ -364,8 +364,8 @@ def test_corrupt_or_truncated_record_is_a_miss_never_wrong_bytes(
     stats = b.tier.get_stats()
     assert stats is not None
     red = stats.reduce()
-    assert red["vllm:kv_offload_tierkv_corrupt_records:('TierKVSecondaryTier',)"] == 2
-    assert red["vllm:kv_offload_tierkv_load_failures:('TierKVSecondaryTier',)"] == 2
+    assert red["tierkv_tier_corrupt_records_total:('TierKVSecondaryTier', 'fsspec')"] == 2
+    assert red["tierkv_tier_promotions_failed_total:('TierKVSecondaryTier', 'fsspec')"] == 2
 
 
 def test_capacity_bound_evicts(make: Callable[..., Setup], tmp_path: Path) -> None:

@@ -123,8 +123,7 @@ async def run_demo(*, requests: int = 48, documents: int = 12, seed: int = 0,
                     # the engine's own GPU cache is gone (eviction, restart): drop the CPU pool so
                     # the next restores come from the lower tier
                     await store.flush()
-                    for pool in store.pools.values():
-                        pool.free([s for s in range(pool.num_slots) if pool.pins[s] == 0])
+                    store.engine.clear()
             await store.flush()
             res.stats = store.stats()
     finally:

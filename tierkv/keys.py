@@ -49,12 +49,15 @@ def key_relpath(key: bytes) -> str:
 
 
 def check_hashes(hashes: Sequence[bytes]) -> None:
-    """Refuse hashes that are not bytes, empty, or repeated within one call."""
+    """Refuse hashes that are not a sequence of bytes, empty or too long, or repeated in one call."""
     if isinstance(hashes, (bytes, bytearray, str)):
         raise InvalidArgument("hashes must be a sequence of bytes, not a single bytes/str value")
-    if all(type(h) is bytes and 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
-        if len(set(hashes)) == len(hashes):
-            return
+    if not isinstance(hashes, Sequence):
+        raise InvalidArgument(
+            f"hashes must be a sequence (list or tuple) of bytes, got {type(hashes).__name__}")
+    if (set(map(type, hashes)) <= {bytes} and len(set(hashes)) == len(hashes)
+            and (not hashes or (min(map(len, hashes)) > 0 and max(map(len, hashes)) <= MAX_HASH_BYTES))):
+        return
     seen: set[bytes] = set()
     for i, h in enumerate(hashes):
         if not isinstance(h, (bytes, bytearray)):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from tierkv.pool import PoolPlan
 
-__all__ = ["GroupStats", "StoreStats", "TierStats", "to_prometheus"]
+__all__ = ["GroupStats", "Metric", "StoreStats", "TierStats", "all_metrics", "samples", "tier_samples",
+           "to_prometheus"]
 
 
 class TierStats(BaseModel):
@@ -25,9 +29,15 @@ class TierStats(BaseModel):
     promotions: int = 0
     promotions_failed: int = 0
     probes: int = 0
+    stores_skipped: int = 0
+    #: bytes of stores being written now, waiting behind them, and of loads being read now
     inflight_bytes: int = 0
+    queued_bytes: int = 0
+    load_inflight_bytes: int = 0
     inflight_ops: int = 0
     store_s_per_mib: float = 0.0
+    #: measured aggregate read rate (the configured prior until the first load)
+    read_bytes_per_s: float = 0.0
     used_bytes: int | None = None
     backend: dict[str, int] = Field(default_factory=dict)
 
@@ -43,6 +53,8 @@ class GroupStats(BaseModel):
     writing: int
     ready: int
     pinned: int
+    #: READY and unpinned: what the next allocation may evict (free + evictable = available)
+    evictable: int
     evictions: int
 
 
@@ -59,30 +71,130 @@ class StoreStats(BaseModel):
     puts: int
     put_blocks_direct: int
     put_blocks_dropped: int
+    #: blocks evicted from the primary while no lower tier held them (gone from every tier)
+    evictions_unbacked: int
     leases_expired: int
 
 
-def _line(name: str, value: float, **labels: object) -> str:
-    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    return f"tierkv_{name}{{{lab}}} {value}" if lab else f"tierkv_{name} {value}"
+@dataclass(frozen=True)
+class Metric:
+    """One series family of tierkv's single naming scheme: ``tierkv_<name>``, with labels."""
+
+    name: str
+    kind: Literal["counter", "gauge"]
+    doc: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        """The exported name (``tierkv_`` prefix)."""
+        return f"tierkv_{self.name}"
+
+
+_TIER = ("tier", "kind")
+_GROUP = ("group", "kind")
+
+#: per tier: field of :class:`TierStats` -> metric
+TIER_METRICS: dict[str, Metric] = {
+    "hits": Metric("tier_hits_total", "counter", "Blocks served from the tier", _TIER),
+    "misses": Metric("tier_misses_total", "counter", "Blocks asked of the tier that it did not have", _TIER),
+    "bytes_read": Metric("tier_bytes_read_total", "counter", "Bytes read from the tier", _TIER),
+    "bytes_written": Metric("tier_bytes_written_total", "counter", "Bytes written to the tier", _TIER),
+    "stores": Metric("tier_stores_total", "counter", "Blocks written to the tier", _TIER),
+    "stores_failed": Metric("tier_stores_failed_total", "counter", "Blocks whose write failed", _TIER),
+    "stores_shed": Metric("tier_stores_shed_total", "counter",
+                          "Blocks not written: shed under backpressure", _TIER),
+    "stores_skipped": Metric("tier_stores_skipped_total", "counter",
+                             "Blocks not written because the tier already holds them", _TIER),
+    "promotions": Metric("tier_promotions_total", "counter", "Blocks promoted from the tier", _TIER),
+    "promotions_failed": Metric("tier_promotions_failed_total", "counter",
+                                "Promotions that failed (missing, corrupt, unreadable)", _TIER),
+    "probes": Metric("tier_probes_total", "counter", "Presence probes sent to the tier", _TIER),
+    "inflight_bytes": Metric("tier_inflight_bytes", "gauge", "Bytes of stores being written", _TIER),
+    "queued_bytes": Metric("tier_queued_bytes", "gauge", "Bytes of stores waiting their turn", _TIER),
+    "load_inflight_bytes": Metric("tier_load_inflight_bytes", "gauge", "Bytes of loads being read", _TIER),
+    "read_bytes_per_s": Metric("tier_read_bytes_per_second", "gauge",
+                               "Measured read rate of the tier (the cost model's input)", _TIER),
+}
+#: per tier, from the backend's own counters: name -> metric
+BACKEND_METRICS: dict[str, Metric] = {
+    "corrupt": Metric("tier_corrupt_records_total", "counter",
+                      "Records that failed verification (a counted miss, removed)", _TIER),
+    "evictions": Metric("tier_evictions_total", "counter",
+                        "Blocks removed from the tier to stay within capacity_bytes", _TIER),
+    "read_errors": Metric("tier_read_errors_total", "counter", "Reads that failed with an error", _TIER),
+    "write_errors": Metric("tier_write_errors_total", "counter", "Writes that failed with an error", _TIER),
+}
+USED_BYTES = Metric("tier_used_bytes", "gauge", "Bytes the tier holds (as known to this process)", _TIER)
+#: per primary pool: field of :class:`GroupStats` -> metric
+GROUP_METRICS: dict[str, Metric] = {
+    "slots": Metric("pool_slots", "gauge", "Slots of the group's primary pool", _GROUP),
+    "free": Metric("pool_free", "gauge", "Free slots", _GROUP),
+    "writing": Metric("pool_writing", "gauge", "Slots being written (stores, promotions)", _GROUP),
+    "ready": Metric("pool_ready", "gauge", "Slots holding a ready block", _GROUP),
+    "pinned": Metric("pool_pinned", "gauge", "Slots pinned by requests or cascades", _GROUP),
+    "evictions": Metric("pool_evictions_total", "counter", "Blocks evicted from the pool", _GROUP),
+}
+#: store-wide: field of :class:`StoreStats` -> metric
+STORE_METRICS: dict[str, Metric] = {
+    "promotions_pending": Metric("promotions_pending", "gauge", "Blocks being promoted"),
+    "admission_queue": Metric("admission_queue", "gauge", "Requests waiting for primary slots"),
+    "requests_active": Metric("requests_active", "gauge", "Requests holding pins"),
+    "put_blocks_dropped": Metric("put_blocks_dropped_total", "counter",
+                                 "Blocks put that no tier took (no slot, every cascade shed)"),
+    "evictions_unbacked": Metric("evictions_unbacked_total", "counter",
+                                 "Blocks evicted from the primary while no lower tier held them"),
+    "leases_expired": Metric("leases_expired_total", "counter", "Requests whose pins expired"),
+}
+LOOKUPS = Metric("lookups_total", "counter", "Lookup answers", ("state",))
+
+Sample = tuple[Metric, tuple[str, ...], float]
+
+
+def tier_samples(t: TierStats, tier_label: str | None = None) -> list[Sample]:
+    """The samples of one tier (``tier_label`` replaces its index as the ``tier`` label)."""
+    labels = (tier_label if tier_label is not None else str(t.index), t.kind)
+    out: list[Sample] = [(m, labels, float(getattr(t, f))) for f, m in TIER_METRICS.items()]
+    out += [(m, labels, float(t.backend.get(name, 0))) for name, m in BACKEND_METRICS.items()]
+    if t.used_bytes is not None:
+        out.append((USED_BYTES, labels, float(t.used_bytes)))
+    return out
+
+
+def samples(stats: StoreStats) -> list[Sample]:
+    """Every sample of a store, in the one naming scheme."""
+    out: list[Sample] = []
+    for t in stats.tiers:
+        out += tier_samples(t)
+    for g in stats.groups:
+        labels = (str(g.group), g.kind)
+        out += [(m, labels, float(getattr(g, f))) for f, m in GROUP_METRICS.items()]
+    out += [(LOOKUPS, (state,), float(v)) for state, v in sorted(stats.lookups.items())]
+    out += [(m, (), float(getattr(stats, f))) for f, m in STORE_METRICS.items()]
+    return out
+
+
+def all_metrics() -> list[Metric]:
+    """Every metric family a store exports."""
+    return [*TIER_METRICS.values(), *BACKEND_METRICS.values(), USED_BYTES, *GROUP_METRICS.values(),
+            LOOKUPS, *STORE_METRICS.values()]
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def to_prometheus(stats: StoreStats) -> str:
-    """The counters in Prometheus text exposition format (no client library needed)."""
+    """The samples in Prometheus text exposition format (no client library needed)."""
+    by_family: dict[str, list[str]] = {}
+    families: dict[str, Metric] = {}
+    for m, labels, value in samples(stats):
+        families[m.name] = m
+        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(m.labels, labels, strict=True))
+        text = f"{m.full_name}{{{lab}}} {value:g}" if lab else f"{m.full_name} {value:g}"
+        by_family.setdefault(m.name, []).append(text)
     lines = []
-    for t in stats.tiers:
-        for field in ("hits", "misses", "bytes_read", "bytes_written", "stores", "stores_failed",
-                      "stores_shed", "promotions", "promotions_failed", "probes"):
-            lines.append(_line(f"tier_{field}_total", getattr(t, field), tier=t.index, kind=t.kind))
-        lines.append(_line("tier_inflight_bytes", t.inflight_bytes, tier=t.index, kind=t.kind))
-        for name, v in sorted(t.backend.items()):
-            lines.append(_line(f"tier_backend_{name}_total", v, tier=t.index, kind=t.kind))
-    for g in stats.groups:
-        for field in ("slots", "free", "writing", "ready", "pinned"):
-            lines.append(_line(f"pool_{field}", getattr(g, field), group=g.group, kind=g.kind))
-        lines.append(_line("pool_evictions_total", g.evictions, group=g.group, kind=g.kind))
-    for state, v in sorted(stats.lookups.items()):
-        lines.append(_line("lookups_total", v, state=state))
-    lines.append(_line("promotions_pending", stats.promotions_pending))
-    lines.append(_line("admission_queue", stats.admission_queue))
+    for name, rows in by_family.items():
+        m = families[name]
+        lines += [f"# HELP {m.full_name} {m.doc}", f"# TYPE {m.full_name} {m.kind}", *rows]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ __all__ = [
     "contiguous_run",
     "plan_pools",
     "shared_pool_tensors",
+    "wide_view",
 ]
 
 
@@ -182,7 +183,7 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
             for g in plan.groups}
 
 
-def _wide_view(t: torch.Tensor) -> torch.Tensor:
+def wide_view(t: torch.Tensor) -> torch.Tensor:
     """View rows as int64 (or the widest type dividing the row) for fast batched index copies."""
     row = t.shape[-1]
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
@@ -213,7 +214,7 @@ class SlotPool:
             self.tensor, self.pinned_memory = tensor, tensor.is_pinned()
         else:
             self.tensor, self.pinned_memory = allocate_pool_tensor(slots, block_bytes, self.device)
-        self._wide = _wide_view(self.tensor)
+        self._wide = wide_view(self.tensor)
         self.state = [SlotState.FREE] * slots
         self.pins = [0] * slots
         self.slot_key: list[bytes | None] = [None] * slots
@@ -221,6 +222,8 @@ class SlotPool:
         self._free = list(range(slots - 1, -1, -1))
         self.policy: EvictionPolicy = make_policy(policy, slots)
         self.evictions = 0
+        #: slots in WRITING state
+        self.writing = 0
         self._evictable = 0
         #: called with the keys each allocation evicted (engine adapters turn them into events)
         self.on_evict: Callable[[list[bytes]], None] | None = None
@@ -251,12 +254,41 @@ class SlotPool:
 
     def counts(self) -> dict[str, int]:
         """Slots per state, plus pinned slots."""
-        c = {"free": 0, "writing": 0, "ready": 0, "pinned": 0}
+        c = {"free": 0, "writing": 0, "ready": 0, "pinned": 0, "evictable": self._evictable}
         for s in range(self.num_slots):
             c[self.state[s].name.lower()] += 1
             if self.pins[s]:
                 c["pinned"] += 1
         return c
+
+    def problems(self) -> list[str]:
+        """Inconsistencies in the slot accounting (empty when sound): for tests and debugging."""
+        out = []
+        free = self._free
+        g = self.group
+        if len(free) != len(set(free)):
+            out.append(f"group {g}: a slot is free twice")
+        resident = set(self.index.values())
+        if len(resident) != len(self.index):
+            out.append(f"group {g}: a slot is owned twice")
+        if resident & set(free):
+            out.append(f"group {g}: a slot is both free and owned")
+        if len(resident) + len(free) != self.num_slots:
+            out.append(f"group {g}: a slot leaked")
+        for k, s in self.index.items():
+            if self.slot_key[s] != k or self.state[s] is SlotState.FREE:
+                out.append(f"group {g}: slot {s} does not hold its key")
+        for s in free:
+            if self.state[s] is not SlotState.FREE or self.pins[s]:
+                out.append(f"group {g}: free slot {s} is not clean")
+        evictable = sum(1 for s in range(self.num_slots)
+                        if self.state[s] is SlotState.READY and self.pins[s] == 0)
+        if evictable != self._evictable:
+            out.append(f"group {g}: evictable count {self._evictable}, actually {evictable}")
+        writing = sum(1 for s in range(self.num_slots) if self.state[s] is SlotState.WRITING)
+        if writing != self.writing:
+            out.append(f"group {g}: writing count {self.writing}, actually {writing}")
+        return out
 
     # ---- transitions ---------------------------------------------------------------------------
     def allocate(self, keys: Sequence[bytes]) -> tuple[list[int], list[bytes]] | None:
@@ -277,6 +309,7 @@ class SlotPool:
         if victims and self.on_evict is not None:
             self.on_evict(victims)
         slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
+        self.writing += len(slots)
         for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING
             self.slot_key[s] = key
@@ -287,6 +320,7 @@ class SlotPool:
         """WRITING -> READY: the bytes are complete and may be served."""
         for s in slots:
             if self.state[s] is SlotState.WRITING:
+                self.writing -= 1
                 self.state[s] = SlotState.READY
                 if self.pins[s] == 0:
                     self._evictable += 1
@@ -303,6 +337,8 @@ class SlotPool:
     def _drop(self, s: int, evicted: bool = False) -> None:
         if self.state[s] is SlotState.READY and self.pins[s] == 0:
             self._evictable -= 1
+        elif self.state[s] is SlotState.WRITING:
+            self.writing -= 1
         key = self.slot_key[s]
         if key is not None:
             self.index.pop(key, None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from tierkv.layout import Layout
 
@@ -43,16 +43,22 @@ class TierConfig(BaseModel):
     kind: str
     #: unset: no bound
     capacity_bytes: PositiveInt | None = None
-    #: cascades in flight to this tier are bounded by bytes and by operations; past either, or when
-    #: the tier's measured latency says the queue would take longer than ``shed_after_s``, new
-    #: cascades are shed (and counted). Promotions are never shed.
+    #: bytes in flight to this tier, for stores and (separately) for loads: past it, stores wait
+    #: in a queue and loads in batches; nothing is refused for it
     max_inflight_bytes: PositiveInt = 256 << 20
+    #: concurrent store calls
     max_inflight_ops: PositiveInt = 16
-    shed_after_s: float = 2.0
+    #: stores waiting past this many bytes (unset: 8 x ``max_inflight_bytes``), or whose wait the
+    #: tier's measured latency puts above ``shed_after_s``, are shed and counted. Loads never are.
+    max_queued_bytes: PositiveInt | None = None
+    shed_after_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    #: concurrent load and probe calls
     read_concurrency: PositiveInt = 16
     #: how long a lookup trusts a presence probe of this tier: found, and not found
-    presence_ttl_s: float = 60.0
-    negative_ttl_s: float = 1.0
+    presence_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    negative_ttl_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    #: the read rate (bytes/s) the cost model assumes before the first load is measured
+    read_bytes_per_s: float = Field(default=500e6, gt=0, allow_inf_nan=False)
 
 
 

@@ -1,7 +1,8 @@
 """The scheduler side: vLLM's ``OffloadingManager`` contract over a :class:`~tierkv.TieredStore`.
 
-The store runs on its own event loop in a background thread; vLLM's calls go straight to the
-store's synchronous, lock-protected API, so none of them waits on I/O or on the loop.
+The store runs on its own event loop in a background thread (:class:`~tierkv.bridge.LoopThread`);
+vLLM's calls go straight to the store's engine slot API (:class:`~tierkv.engine.EngineSlots`),
+which is lock-protected and synchronous, so none of them waits on I/O or on the loop.
 """
 
 from __future__ import annotations
@@ -10,28 +11,33 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Iterable
-from contextlib import AbstractContextManager
 from typing import Any
 
-import anyio.from_thread
 import numpy as np
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
 )
 
+from tierkv.bridge import LoopThread
+from tierkv.engine import EngineSlots
 from tierkv.keys import GROUP_BYTES
 from tierkv.layout import Layout
-from tierkv.store import KeyState, TieredStore
+from tierkv.lookup import KeyState
+from tierkv.metrics import Metric, samples
+from tierkv.store import TieredStore
 
-__all__ = ["TierKVLoadStoreSpec", "TierKVOffloadingManager"]
+__all__ = ["TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -44,16 +50,39 @@ _RESULT = {
     KeyState.MISS: LookupResult.MISS,
 }
 
-#: counters reported through vLLM's connector stats (declared in the spec's metric definitions)
-STAT_COUNTERS = {
-    "tierkv:lower_tier_hits": "Blocks promoted from tierkv's lower tiers into the CPU pool",
-    "tierkv:bytes_promoted": "Bytes read from tierkv's lower tiers",
-    "tierkv:bytes_cascaded": "Bytes written to tierkv's lower tiers",
-    "tierkv:stores_shed": "Cascades to lower tiers shed under backpressure",
-    "tierkv:stores_failed": "Cascades to lower tiers that failed",
-    "tierkv:corrupt_records": "Records that failed verification (counted misses)",
-}
-STAT_GAUGES = {"tierkv:promotions_pending": "Promotions in flight"}
+
+def vllm_metric_definitions(metrics: Iterable[Metric]) -> dict[str, OffloadingMetricMetadata]:
+    """tierkv's metrics as vLLM metric definitions (the same names and labels as everywhere)."""
+    out: dict[str, OffloadingMetricMetadata] = {}
+    for m in metrics:
+        cls = OffloadingCounterMetadata if m.kind == "counter" else OffloadingGaugeMetadata
+        out[m.full_name] = cls(documentation=m.doc, labelnames=m.labels)
+    return out
+
+
+class CounterDeltas:
+    """Turns cumulative samples into vLLM connector stats: counter increases and gauge values."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def stats(self, rows: Iterable[tuple[Metric, tuple[str, ...], float]]) -> Any:
+        """An ``OffloadingConnectorStats`` of what changed since the last call (None: nothing)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        for m, labels, value in rows:
+            if m.kind == "gauge":
+                stats.set_gauge(m.full_name, value, labels)
+                continue
+            key = (m.full_name, labels)
+            delta = value - self._last.get(key, 0.0)
+            self._last[key] = value
+            if delta > 0:
+                stats.increase_counter(m.full_name, delta, labels)
+        return None if stats.is_empty() else stats
 
 
 class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
@@ -77,14 +106,13 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def __init__(self, store_config: dict[str, Any], group_order: list[int],
                  enable_events: bool = False, cleanup: list[str] | None = None) -> None:
-        self._portal_cm: AbstractContextManager[Any] = anyio.from_thread.start_blocking_portal("asyncio")
-        portal = self._portal_cm.__enter__()
-        self._store_cm = portal.wrap_async_context_manager(TieredStore(store_config))
+        self._loop = LoopThread()
         try:
-            self.store: TieredStore = self._store_cm.__enter__()
+            self.store: TieredStore = self._loop.enter(TieredStore(store_config))
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
+            self._loop.stop()
             raise
+        self.engine: EngineSlots = self.store.engine
         self.layout: Layout = self.store.layout
         self._cacheable = frozenset(self.layout.cacheable_groups)
         self._order = {g: i for i, g in enumerate(group_order)}
@@ -95,12 +123,11 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._events_lock = threading.Lock()
         self._closed = False
         self._cleanup = list(cleanup or [])
-        self._last: dict[str, float] = {}
+        self._deltas = CounterDeltas()
         if enable_events:
-            for pool in self.store.pools.values():
-                pool.on_evict = self._on_evict
+            self.engine.subscribe_evictions(self._on_evict)
 
-    def _on_evict(self, keys: list[bytes]) -> None:
+    def _on_evict(self, group: int, keys: list[bytes]) -> None:
         with self._events_lock:
             self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=Medium.CPU,
                                                 removed=True))
@@ -112,7 +139,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         group = self._tails.get(key[-GROUP_BYTES:])
         if group is None or len(key) <= GROUP_BYTES:
             return LookupResult.MISS
-        return _RESULT[self.store.key_state(group, key, req_context.req_id)]
+        return _RESULT[self.engine.key_state(group, key, req_context.req_id)]
 
     def _by_tail(self, keys: Collection[OffloadKey]) -> list[tuple[int, list[bytes]]]:
         """Keys of cacheable groups bucketed per group, groups in the engine's order.
@@ -137,7 +164,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         groups: list[int] = []
         slots: list[int] = []
         for g, gkeys in self._by_tail(keys):
-            found = self.store.ready_slots_keys(g, gkeys)
+            found = self.engine.ready_slots(g, gkeys)
             if None in found:
                 raise RuntimeError("prepare_load of a block that is not ready: tierkv pins HITs, so"
                                    " this means the connector loaded a key it did not look up")
@@ -151,7 +178,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """The request has its blocks: drop its pins on them."""
         for g, gkeys in self._by_tail(keys):
-            self.store.unpin_keys(g, gkeys, req_context.req_id)
+            self.engine.unpin(g, gkeys, req_context.req_id)
 
     # ---- stores ----------------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[OffloadKey],
@@ -163,10 +190,10 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         slots: list[int] = []
         evicted: list[bytes] = []
         for g, gkeys in self._by_tail(keys):
-            res = self.store.reserve_keys(g, gkeys)
+            res = self.engine.reserve(g, gkeys)
             if res is None:
                 for rg, rk in reserved:
-                    self.store.commit_keys(rg, rk, success=False)
+                    self.engine.commit(rg, rk, success=False)
                 return None
             new = [(k, s) for k, s in zip(gkeys, res.slots, strict=True) if s is not None]
             nkeys = [k for k, _ in new]
@@ -183,7 +210,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                        success: bool = True) -> None:
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
         for g, gkeys in self._by_tail(keys):
-            self.store.commit_keys(g, gkeys, success=success)
+            self.engine.commit(g, gkeys, success=success)
             if success and self._events_on:
                 with self._events_lock:
                     stored = [OffloadKey(k) for k in gkeys]
@@ -210,34 +237,14 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def reset_cache(self) -> None:
         """Empty the CPU pool (lower tiers keep their blocks)."""
-        self.store.clear_primary()
+        self.engine.clear()
 
     def get_stats(self) -> Any:
-        """Counters since the last call, as vLLM's connector stats."""
+        """tierkv's counters since the last call and its gauges, as vLLM's connector stats."""
         try:
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-                OffloadingConnectorStats,
-            )
+            return self._deltas.stats(samples(self.store.stats()))
         except ImportError:
             return None
-        st = self.store.stats()
-        lower = st.tiers[1:]
-        now = {
-            "tierkv:lower_tier_hits": float(sum(t.promotions for t in lower)),
-            "tierkv:bytes_promoted": float(sum(t.bytes_read for t in lower)),
-            "tierkv:bytes_cascaded": float(sum(t.bytes_written for t in lower)),
-            "tierkv:stores_shed": float(sum(t.stores_shed for t in lower)),
-            "tierkv:stores_failed": float(sum(t.stores_failed for t in lower)),
-            "tierkv:corrupt_records": float(sum(t.backend.get("corrupt", 0) for t in lower)),
-        }
-        stats = OffloadingConnectorStats()
-        for name, value in now.items():
-            delta = value - self._last.get(name, 0.0)
-            if delta:
-                stats.increase_counter(name, delta)
-        self._last = now
-        stats.set_gauge("tierkv:promotions_pending", float(st.promotions_pending))
-        return stats
 
     def shutdown(self) -> None:
         """Wait for accepted cascades, close the store and stop its thread."""
@@ -245,9 +252,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return
         self._closed = True
         try:
-            self._store_cm.__exit__(None, None, None)
+            self._loop.stop()
         finally:
-            self._portal_cm.__exit__(None, None, None)
             for path in self._cleanup:
                 try:
                     os.unlink(path)

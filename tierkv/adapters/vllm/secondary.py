@@ -60,10 +60,12 @@ Semantics (vLLM's ``SecondaryTierManager`` contract)
       promotion reads it: that key's promotion fails and the key becomes a MISS.
 
 Threads
-    The fsspec tier runs on a private anyio event loop in a daemon thread (a blocking portal kept
-    open for the tier's lifetime, which also runs the tier's background capacity scan). Scheduler
-    calls only touch in-memory state and hand work to that loop; results come back through a
-    queue that the scheduler thread drains, so presence state is owned by the scheduler thread.
+    The fsspec tier runs on a private event loop in a daemon thread
+    (:class:`~tierkv.bridge.LoopThread`, which also runs the tier's background capacity scan),
+    driven through a :class:`~tierkv.gateway.TierGateway` like every tierkv lower tier. Scheduler
+    calls only read in-memory state and hand work to that loop; the gateway updates presence and
+    counters under a lock the scheduler's calls share, and finished jobs are handed back as
+    ``JobResult`` s under the same lock.
 
 Credentials in ``storage_options`` or the URL are never logged (``describe()`` redacts the URL).
 """
@@ -71,16 +73,12 @@ Credentials in ``storage_options`` or the URL are never logged (``describe()`` r
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import queue
+import threading
 import time
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import anyio
-import anyio.from_thread
 import numpy as np
 import torch
 from pydantic import ConfigDict, ValidationError, field_validator
@@ -88,9 +86,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -99,12 +95,15 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
-from tierkv.errors import BackendError, ConfigError
+from tierkv.bridge import LoopThread
+from tierkv.errors import ConfigError
+from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES
 from tierkv.layout import GroupSpec, Layout
-from tierkv.lower import LowerTier
+from tierkv.metrics import BACKEND_METRICS, TIER_METRICS, USED_BYTES, tier_samples
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -122,11 +121,6 @@ log = logging.getLogger("tierkv.vllm")
 
 #: probes queued by lookups are sent at ``on_schedule_end``, or as soon as this many are queued
 PROBE_BATCH = 512
-#: runs of consecutive primary rows at least this long are read / written in place; shorter ones
-#: go through one staging buffer per group (a copy is cheaper than a tier call per short run)
-DIRECT_RUN_BYTES = 1 << 20
-#: copies between the primary and a staging buffer larger than this run in a worker thread
-INLINE_COPY_BYTES = 1 << 20
 
 
 class TierKVSecondaryTierConfig(FsspecTierConfig):
@@ -210,73 +204,21 @@ def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespac
     return layout, namespace
 
 
-_M = "vllm:kv_offload_tierkv_"
+#: the metrics :meth:`TierKVSecondaryTier.get_stats` reports (tierkv's one naming scheme, labelled
+#: by ``tier``: the secondary tier's type name, and ``kind``)
+METRICS: dict[str, OffloadingMetricMetadata] = vllm_metric_definitions(
+    [*TIER_METRICS.values(), *BACKEND_METRICS.values(), USED_BYTES])
 
 
-def _counter(documentation: str) -> OffloadingMetricMetadata:
-    return OffloadingCounterMetadata(documentation=documentation, labelnames=("tier",))
+def _group(key: bytes) -> int:
+    return int.from_bytes(key[-GROUP_BYTES:], "big")
 
 
-#: Prometheus metrics this tier reports through ``get_stats`` (all labelled by ``tier``).
-METRICS: dict[str, OffloadingMetricMetadata] = {
-    _M + "probes": _counter("Existence probes of keys sent to the tierkv tier."),
-    _M + "stores_skipped": _counter("Keys not written to the tierkv tier because it already holds them."),
-    _M + "stores_shed": _counter("Keys not written to the tierkv tier because its in-flight bounds were "
-                                 "full."),
-    _M + "store_failures": _counter("Keys whose write to the tierkv tier failed."),
-    _M + "load_failures": _counter("Keys whose promotion from the tierkv tier failed (missing, corrupt, "
-                                   "unreadable)."),
-    _M + "corrupt_records": _counter("Records that failed verification (checksum, key, fingerprint, size) "
-                                     "and were removed."),
-    _M + "evictions": _counter("Records removed from the tierkv tier to stay within capacity_bytes."),
-    _M + "used_bytes": OffloadingGaugeMetadata(
-        documentation="Bytes of records the tierkv tier holds (as known to this process).",
-        labelnames=("tier",)),
-}
-
-
-@dataclass
-class _Done:
-    """A finished background operation, handed from the event loop to the scheduler thread."""
-
-    kind: Literal["store", "load", "probe"]
-    job_id: int
-    keys: list[bytes]
-    ok: list[bool]
-    elapsed: float = 0.0
-    nbytes: int = 0
-    #: False when the job had keys that were refused before it started (store jobs)
-    complete: bool = True
-    counters: dict[str, int] = field(default_factory=dict)
-    used_bytes: int | None = None
-
-
-def _why(exc: BaseException) -> str:
-    """What went wrong, without credentials: tierkv's backend errors are redacted, others by type."""
-    return str(exc)[:300] if isinstance(exc, BackendError) else type(exc).__name__
-
-
-def _plan(groups: list[int], chunk_ids: list[int], block: int) -> tuple[
-        list[tuple[int, int, int]], dict[int, list[int]]]:
-    """How to move a job's rows: ``(direct, gathered)``.
-
-    ``direct``: runs ``(start, stop, group)`` of one group and consecutive chunk ids, at least
-    :data:`DIRECT_RUN_BYTES` long, moved in place (the rows are one contiguous tensor).
-    ``gathered``: per group, the positions of the remaining keys, moved through one staging
-    buffer per group (one batched tier call instead of one call per short run).
-    """
-    direct: list[tuple[int, int, int]] = []
-    gathered: dict[int, list[int]] = {}
-    start = 0
-    for i in range(1, len(chunk_ids) + 1):
-        if (i == len(chunk_ids) or groups[i] != groups[start]
-                or chunk_ids[i] != chunk_ids[i - 1] + 1):
-            if (i - start) * block >= DIRECT_RUN_BYTES or i - start == len(chunk_ids):
-                direct.append((start, i, groups[start]))
-            else:
-                gathered.setdefault(groups[start], []).extend(range(start, i))
-            start = i
-    return direct, gathered
+def _by_group(keys: list[bytes]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(_group(k), []).append(i)
+    return out
 
 
 class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ignore]
@@ -297,8 +239,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                                                              self.settings.namespace)
         self.fingerprint = self.layout.fingerprint(self.namespace)
         self._groups = frozenset(self.layout.cacheable_groups)
-        self._rows: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
-            view, dtype=np.uint8).reshape(-1, block)
+        self._rows: torch.Tensor | None = torch.from_numpy(
+            np.frombuffer(view, dtype=np.uint8).reshape(-1, block))
         self._num_rows = self._rows.shape[0]
         events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None),
                                  "enable_kv_cache_events", False))
@@ -308,39 +250,32 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         self._events: list[OffloadingEvent] | None = (
             [] if self.settings.enable_kv_events and events_on else None)
 
-        # scheduler-thread state
-        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        #: scheduler calls and the loop's updates share this lock
+        self._lock = threading.RLock()
         self._results: list[JobResult] = []
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
         self._storing: set[bytes] = set()
-        self._probing: set[bytes] = set()
         self._probe_batch: list[bytes] = []
         self._probe_futures: set[concurrent.futures.Future[None]] = set()
-        self._counts: dict[str, float] = {}
-        self._tier_counts: dict[str, int] = {}
-        self._used_bytes: int | None = None
+        self._deltas = CounterDeltas()
         self._closed = False
 
         self._tier = FsspecTier(self.settings.tier_config(),
                                 TierContext(layout=self.layout, namespace=self.namespace,
                                             fingerprint=self.fingerprint))
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
+        self._gw = TierGateway(1, self._tier, self._lock)
+        self._loop = LoopThread()
         self._background: concurrent.futures.Future[None] | None = None
         try:
-            self._lower: LowerTier = self._portal.call(self._open)
+            self._loop.call(self._tier.open)
         except BaseException:
-            self._stop_loop()
+            self._loop.stop()
             self._rows = None
             raise
-        self._background = self._portal.start_task_soon(self._tier.background)
+        self._background = self._loop.submit(self._tier.background)
         log.info("tierkv secondary tier %r: %s, namespace %s (fingerprint %s), %d-byte records",
                  tier_type, self._tier.describe(), self.settings.namespace or "<default>",
                  self.fingerprint, block)
-
-    async def _open(self) -> LowerTier:
-        await self._tier.open()
-        return LowerTier(1, self._tier)
 
     # ---- vLLM SecondaryTierManager API -----------------------------------------------------------
     @classmethod
@@ -354,134 +289,131 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
 
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
         """HIT / MISS from the presence cache; RETRY while a write or a probe of ``key`` runs."""
-        if not self._done.empty():
-            self._drain()
-        if key in self._storing or key in self._probing:
+        with self._lock:
+            if key in self._storing or key in self._gw.probing:
+                return LookupResult.RETRY
+            known = self._gw.presence(0, key, time.monotonic())
+            if known is not None:
+                return LookupResult.HIT if known else LookupResult.MISS
+            if self._closed or _group(key) not in self._groups:
+                return LookupResult.MISS
+            self._gw.probing.add(key)
+            self._probe_batch.append(key)
+            if len(self._probe_batch) >= PROBE_BATCH:
+                self._flush_probes()
             return LookupResult.RETRY
-        known = self._lower.presence(0, key, time.monotonic())
-        if known is not None:
-            return LookupResult.HIT if known else LookupResult.MISS
-        if self._closed or int.from_bytes(key[-GROUP_BYTES:], "big") not in self._groups:
-            return LookupResult.MISS
-        self._probing.add(key)
-        self._probe_batch.append(key)
-        if len(self._probe_batch) >= PROBE_BATCH:
-            self._flush_probes()
-        return LookupResult.RETRY
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's rows in the background, skipping keys already held or being written."""
         job_id = job_metadata.job_id
-        keys = list(job_metadata.keys)
+        keys = [bytes(k) for k in job_metadata.keys]
         cids = [int(c) for c in np.asarray(job_metadata.chunk_ids).reshape(-1)]
-        if not self._valid_job(job_id, keys, cids):
-            return
-        now = time.monotonic()
-        todo: list[int] = []
-        skipped = 0
-        for i, k in enumerate(keys):
-            if k in self._storing or self._lower.presence(0, k, now) is True:
-                skipped += 1
-            elif int.from_bytes(k[-GROUP_BYTES:], "big") in self._groups:
-                todo.append(i)
-            else:
-                self._count("store_failures")
-        self._count("stores_skipped", skipped)
-        if not todo:
-            ok = len(todo) + skipped == len(keys)
-            self._results.append(JobResult(job_id=job_id, success=ok, transfer_time=0.0, transfer_bytes=0))
-            return
-        nbytes = len(todo) * self.block_size_bytes
-        if not self._lower.admit_store(nbytes):
-            self._count("stores_shed", len(todo))
-            self._results.append(JobResult(job_id=job_id, success=False))
-            return
-        sub_keys = [bytes(keys[i]) for i in todo]
-        sub_cids = [cids[i] for i in todo]
-        self._storing.update(sub_keys)
-        all_ok = len(todo) + skipped == len(keys)
-        self._inflight[job_id] = self._portal.start_task_soon(
-            self._run_store, job_id, sub_keys, sub_cids, nbytes, all_ok)
+        with self._lock:
+            if not self._valid_job(job_id, keys, cids):
+                return
+            now = time.monotonic()
+            todo: list[int] = []
+            skipped = 0
+            refused = 0
+            for i, k in enumerate(keys):
+                if k in self._storing or self._gw.presence(0, k, now) is True:
+                    skipped += 1
+                elif _group(k) in self._groups:
+                    todo.append(i)
+                else:
+                    refused += 1
+            self._gw.stats.stores_skipped += skipped
+            self._gw.stats.stores_failed += refused
+            admitted: list[tuple[int, list[int], int]] = []
+            for group, pos in _by_group([keys[i] for i in todo]).items():
+                idx = [todo[j] for j in pos]
+                nbytes = len(idx) * self.block_size_bytes
+                if self._gw.admit_store(nbytes):
+                    admitted.append((group, idx, nbytes))
+                else:
+                    self._gw.shed(len(idx))
+                    refused += len(idx)
+            if not admitted:
+                self._results.append(JobResult(job_id=job_id, success=refused == 0,
+                                               transfer_time=0.0, transfer_bytes=0))
+                return
+            for _, idx, _ in admitted:
+                self._storing.update(keys[i] for i in idx)
+            self._inflight[job_id] = self._loop.submit(self._run_store, job_id, keys, cids, admitted,
+                                                       refused == 0)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read, verify and decode the job's records into its primary rows in the background."""
         job_id = job_metadata.job_id
         keys = [bytes(k) for k in job_metadata.keys]
         cids = [int(c) for c in np.asarray(job_metadata.chunk_ids).reshape(-1)]
-        if not self._valid_job(job_id, keys, cids):
-            return
-        self._inflight[job_id] = self._portal.start_task_soon(self._run_load, job_id, keys, cids)
+        with self._lock:
+            if not self._valid_job(job_id, keys, cids):
+                return
+            self._inflight[job_id] = self._loop.submit(self._run_load, job_id, keys, cids)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every job finished since the last call, each reported once."""
-        self._drain()
-        results, self._results = self._results, []
+        with self._lock:
+            results, self._results = self._results, []
         return results
 
     def has_pending_work(self) -> bool:
         """True while jobs or existence probes are in flight (keeps the engine stepping)."""
-        return bool(self._inflight) or bool(self._probing)
+        with self._lock:
+            return bool(self._inflight) or bool(self._gw.probing)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send the existence probes queued by this step's lookups."""
-        self._drain()
-        self._flush_probes()
+        with self._lock:
+            self._flush_probes()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events for keys written since the last call (only with ``enable_kv_events``)."""
-        if not self._events:
-            return ()
-        events, self._events = self._events, []
+        with self._lock:
+            if not self._events:
+                return ()
+            events, self._events = self._events, []
         return events
 
     def drain_jobs(self) -> None:
         """Block until every submitted load and store job has finished (none is aborted)."""
-        pending = [f for f in self._inflight.values() if not f.done()]
+        with self._lock:
+            pending = [f for f in self._inflight.values() if not f.done()]
         if pending:
             concurrent.futures.wait(pending)
-        self._drain()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Counters since the last call and the bytes held, or None when there is nothing new."""
-        self._drain()
-        if not self._counts and self._used_bytes is None:
+        """Counters since the last call and the gauges, or None when nothing changed."""
+        with self._lock:
+            snap = self._gw.snapshot()
+        try:
+            stats: OffloadingConnectorStats | None = self._deltas.stats(tier_samples(snap, self.tier_type))
+        except ImportError:
             return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
-        stats = OffloadingConnectorStats()
-        label = (self.tier_type,)
-        for name, value in self._counts.items():
-            if value:
-                stats.increase_counter(_M + name, value, label)
-        if self._used_bytes is not None:
-            stats.set_gauge(_M + "used_bytes", self._used_bytes, label)
-        self._counts = {}
-        self._used_bytes = None
-        return None if stats.is_empty() else stats
+        return stats
 
     def shutdown(self) -> None:
         """Finish every job, close the tier and stop the event loop thread. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
         try:
             self.drain_jobs()
             for f in list(self._probe_futures):
                 f.cancel()
             if self._background is not None:
                 self._background.cancel()
-            with contextlib.suppress(Exception):
-                concurrent.futures.wait([f for f in [self._background, *self._probe_futures]
-                                         if f is not None], timeout=30)
+            futures = [f for f in [self._background, *self._probe_futures] if f is not None]
+            if futures:
+                concurrent.futures.wait(futures, timeout=30)
             try:
-                self._portal.call(self._tier.close)
+                self._loop.call(self._tier.close)
             except Exception as exc:
-                log.warning("closing %s failed: %s", self._tier.describe(), _why(exc))
+                log.warning("closing %s failed: %s", self._tier.describe(), str(exc)[:300])
         finally:
-            self._stop_loop()
-            self._drain()
+            self._loop.stop()
             # the primary releases its memoryview after this: hold no buffer export of it
             self._rows = None
 
@@ -492,12 +424,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
     def __repr__(self) -> str:
         return f"<TierKVSecondaryTier {self.describe()}>"
 
-    # ---- scheduler-thread helpers ----------------------------------------------------------------
-    def _count(self, name: str, n: float = 1) -> None:
-        if n:
-            self._counts[name] = self._counts.get(name, 0) + n
-
-    def _valid_job(self, job_id: int, keys: Collection[bytes], cids: list[int]) -> bool:
+    # ---- scheduler-thread helpers (under the lock) -----------------------------------------------
+    def _valid_job(self, job_id: int, keys: list[bytes], cids: list[int]) -> bool:
         problem = ""
         if self._closed:
             problem = "the tier is shut down"
@@ -515,184 +443,66 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         if not self._probe_batch or self._closed:
             return
         batch, self._probe_batch = self._probe_batch, []
-        fut = self._portal.start_task_soon(self._run_probe, batch)
-        self._probe_futures.add(fut)
-        fut.add_done_callback(self._probe_futures.discard)
-        self._count("probes", len(batch))
-
-    def _drain(self) -> None:
-        """Apply everything the event loop finished (scheduler thread only)."""
-        while True:
-            try:
-                d = self._done.get_nowait()
-            except queue.Empty:
-                return
-            now = time.monotonic()
-            if d.counters:
-                for name, metric in (("corrupt", "corrupt_records"), ("evictions", "evictions")):
-                    n = d.counters.get(name, 0) - self._tier_counts.get(name, 0)
-                    self._count(metric, n)
-                self._tier_counts = d.counters
-            if d.used_bytes is not None:
-                self._used_bytes = d.used_bytes
-            if d.kind == "probe":
-                for k, found in zip(d.keys, d.ok, strict=True):
-                    self._probing.discard(k)
-                    # a write or read that finished meanwhile knows better than the probe
-                    if self._lower.presence(0, k, now) is None:
-                        self._lower.note(k, found, now)
-                continue
-            self._inflight.pop(d.job_id, None)
-            n_ok = sum(d.ok)
-            for k, good in zip(d.keys, d.ok, strict=True):
-                self._lower.note(k, good, now)
-            if d.kind == "store":
-                self._storing.difference_update(d.keys)
-                self._lower.store_done(d.nbytes, d.elapsed if n_ok else None)
-                self._count("store_failures", len(d.keys) - n_ok)
-                if self._events is not None and n_ok:
-                    self._events.append(OffloadingEvent(
-                        keys=[OffloadKey(k) for k, g in zip(d.keys, d.ok, strict=True) if g],
-                        medium=self.medium, removed=False, locality=self.locality))
-                success = n_ok == len(d.keys) and d.complete
-                self._results.append(JobResult(job_id=d.job_id, success=success, transfer_time=d.elapsed,
-                                               transfer_bytes=n_ok * self.block_size_bytes))
-            else:
-                self._count("load_failures", len(d.keys) - n_ok)
-                success = n_ok == len(d.keys)
-                ok_keys = None if success or not n_ok else tuple(
-                    OffloadKey(k) for k, g in zip(d.keys, d.ok, strict=True) if g)
-                self._results.append(JobResult(job_id=d.job_id, success=success, successful_keys=ok_keys,
-                                               transfer_time=d.elapsed,
-                                               transfer_bytes=n_ok * self.block_size_bytes))
-
-    def _stop_loop(self) -> None:
-        with contextlib.suppress(Exception):
-            self._portal_cm.__exit__(None, None, None)
+        for group, pos in _by_group(batch).items():
+            fut = self._loop.submit(self._gw.probe, group, [batch[i] for i in pos])
+            self._probe_futures.add(fut)
+            fut.add_done_callback(self._probe_futures.discard)
 
     # ---- event-loop side -------------------------------------------------------------------------
-    def _post(self, d: _Done) -> None:
-        try:
-            d.counters = dict(self._tier.counters)
-            d.used_bytes = self._tier.used_bytes()
-        finally:
-            self._done.put(d)  # every job is reported, whatever happens
+    def _finish(self, job_id: int, result: JobResult) -> None:
+        with self._lock:
+            self._inflight.pop(job_id, None)
+            self._results.append(result)
 
-    def _tensor(self, start: int, stop: int) -> torch.Tensor:
-        rows = self._rows
-        assert rows is not None, "tier is shut down"
-        return torch.from_numpy(rows[start:stop])
-
-    async def _copy(self, fn: Any, nbytes: int) -> Any:
-        """Run a memory copy inline when small, in a worker thread when large."""
-        if nbytes <= INLINE_COPY_BYTES:
-            return fn()
-        return await anyio.to_thread.run_sync(fn)
-
-    async def _run_store(self, job_id: int, keys: list[bytes], cids: list[int], nbytes: int,
-                         all_ok: bool) -> None:
+    async def _run_store(self, job_id: int, keys: list[bytes], cids: list[int],
+                         admitted: list[tuple[int, list[int], int]], complete: bool) -> None:
         ok = [False] * len(keys)
         t0 = time.monotonic()
-        block = self.block_size_bytes
+        rows = self._rows
         try:
-            groups = [int.from_bytes(k[-GROUP_BYTES:], "big") for k in keys]
-            direct, gathered = _plan(groups, cids, block)
-
-            async def put(group: int, pos: range | list[int], data: torch.Tensor | None) -> None:
-                try:
-                    if data is None:  # a gathered group: copy its rows out first
-                        rows = self._rows
-                        assert rows is not None, "tier is shut down"
-                        idx = np.asarray([cids[i] for i in pos], dtype=np.int64)
-                        data = torch.from_numpy(await self._copy(lambda: rows[idx], len(pos) * block))
-                    res = await self._tier.put(group, [keys[i] for i in pos], data)
-                    for i, good in zip(pos, res, strict=True):
-                        ok[i] = good
-                except Exception as exc:
-                    log.warning("writing %d records to %s failed: %s", len(pos), self._tier.describe(),
-                                _why(exc))
-
-            async with self._lower.write_limiter:
-                t0 = time.monotonic()
-                async with anyio.create_task_group() as tg:
-                    for start, stop, group in direct:
-                        tg.start_soon(put, group, range(start, stop),
-                                      self._tensor(cids[start], cids[stop - 1] + 1))
-                    for group, pos in gathered.items():
-                        tg.start_soon(put, group, pos, None)
-        except Exception as exc:  # reported as a failed job, never raised
-            log.warning("store job %d on %s failed: %s", job_id, self._tier.describe(), _why(exc))
+            assert rows is not None, "tier is shut down"
+            for group, idx, nbytes in admitted:
+                res = await self._gw.store(group, [keys[i] for i in idx], rows, [cids[i] for i in idx],
+                                           nbytes)
+                for i, f in zip(idx, res, strict=True):
+                    ok[i] = f
         finally:
-            self._post(_Done("store", job_id, keys, ok, time.monotonic() - t0, nbytes, all_ok))
+            elapsed = time.monotonic() - t0
+            written = [keys[i] for _, idx, _ in admitted for i in idx if ok[i]]
+            with self._lock:
+                for _, idx, _ in admitted:
+                    self._storing.difference_update(keys[i] for i in idx)
+                if self._events is not None and written:
+                    self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in written],
+                                                        medium=self.medium, removed=False,
+                                                        locality=self.locality))
+            n_todo = sum(len(idx) for _, idx, _ in admitted)
+            success = complete and len(written) == n_todo
+            self._finish(job_id, JobResult(job_id=job_id, success=success, transfer_time=elapsed,
+                                           transfer_bytes=len(written) * self.block_size_bytes))
 
     async def _run_load(self, job_id: int, keys: list[bytes], cids: list[int]) -> None:
         ok = [False] * len(keys)
         t0 = time.monotonic()
-        block = self.block_size_bytes
+        rows = self._rows
         try:
-            groups = [int.from_bytes(k[-GROUP_BYTES:], "big") for k in keys]
-            direct, gathered = _plan(groups, cids, block)
-
-            async def get_direct(start: int, stop: int, group: int) -> None:
-                # records are verified before a byte is decoded into a row; a row whose record
-                # fails stays unused (vLLM frees the slot of a failed key)
-                try:
-                    res = await self._tier.get(group, keys[start:stop],
-                                               self._tensor(cids[start], cids[stop - 1] + 1))
-                    ok[start:stop] = res
-                except Exception as exc:
-                    log.warning("reading %d records from %s failed: %s", stop - start,
-                                self._tier.describe(), _why(exc))
-
-            async def get_gathered(group: int, pos: list[int]) -> None:
-                try:
-                    staging = torch.empty((len(pos), block), dtype=torch.uint8)
-                    res = await self._tier.get(group, [keys[i] for i in pos], staging)
-                    good = [j for j, f in enumerate(res) if f]
-                    if not good:
-                        return
-                    rows = self._rows
-                    assert rows is not None, "tier is shut down"
-                    src = staging.numpy()
-                    dst = np.asarray([cids[pos[j]] for j in good], dtype=np.int64)
-
-                    def scatter() -> None:  # only verified rows reach the primary
-                        rows[dst] = src if len(good) == len(pos) else src[good]
-
-                    await self._copy(scatter, len(good) * block)
-                    for j in good:
-                        ok[pos[j]] = True
-                except Exception as exc:
-                    log.warning("reading %d records from %s failed: %s", len(pos),
-                                self._tier.describe(), _why(exc))
-
-            async with self._lower.read_limiter:
-                t0 = time.monotonic()
-                async with anyio.create_task_group() as tg:
-                    for start, stop, group in direct:
-                        if group in self._groups:
-                            tg.start_soon(get_direct, start, stop, group)
-                    for group, pos in gathered.items():
-                        if group in self._groups:
-                            tg.start_soon(get_gathered, group, pos)
-        except Exception as exc:  # reported as a failed job, never raised
-            log.warning("load job %d on %s failed: %s", job_id, self._tier.describe(), _why(exc))
+            assert rows is not None, "tier is shut down"
+            for group, pos in _by_group(keys).items():
+                if group not in self._groups:
+                    continue
+                # records are verified before a byte lands in a row; a row whose record fails
+                # stays unused (vLLM frees the slot of a failed key)
+                res = await self._gw.load(group, [keys[i] for i in pos], rows, [cids[i] for i in pos])
+                for i, f in zip(pos, res, strict=True):
+                    ok[i] = f
         finally:
-            self._post(_Done("load", job_id, keys, ok, time.monotonic() - t0))
-
-    async def _run_probe(self, keys: list[bytes]) -> None:
-        found = [False] * len(keys)
-        try:
-            by_group: dict[int, list[int]] = {}
-            for i, k in enumerate(keys):
-                by_group.setdefault(int.from_bytes(k[-GROUP_BYTES:], "big"), []).append(i)
-            async with self._lower.read_limiter:
-                for group, idx in by_group.items():
-                    res = await self._tier.contains(group, [keys[i] for i in idx])
-                    for i, f in zip(idx, res, strict=True):
-                        found[i] = f
-        except Exception as exc:  # a failed probe is a (short-lived) miss
-            self._tier.count("probe_errors")
-            log.warning("probing %d keys on %s failed: %s", len(keys), self._tier.describe(), _why(exc))
-        finally:
-            self._post(_Done("probe", -1, keys, found))
+            n_ok = sum(ok)
+            with self._lock:
+                self._gw.stats.promotions += n_ok
+                self._gw.stats.promotions_failed += len(keys) - n_ok
+            success = n_ok == len(keys)
+            ok_keys = None if success or not n_ok else tuple(
+                OffloadKey(k) for k, g in zip(keys, ok, strict=True) if g)
+            self._finish(job_id, JobResult(job_id=job_id, success=success, successful_keys=ok_keys,
+                                           transfer_time=time.monotonic() - t0,
+                                           transfer_bytes=n_ok * self.block_size_bytes))

@@ -17,8 +17,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -27,10 +25,11 @@ from vllm.v1.kv_offload.base import (
 
 from tierkv.adapters.vllm.config import AdapterConfig
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
-from tierkv.adapters.vllm.manager import STAT_COUNTERS, STAT_GAUGES, TierKVOffloadingManager
+from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
 from tierkv.errors import ConfigError
 from tierkv.layout import Layout
+from tierkv.metrics import all_metrics
 from tierkv.pool import plan_pools, shared_pool_tensors
 
 __all__ = ["TierKVOffloadingSpec"]
@@ -44,11 +43,8 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        """The counters and gauges ``get_stats`` reports."""
-        out: dict[str, OffloadingMetricMetadata] = {
-            name: OffloadingCounterMetadata(documentation=doc) for name, doc in STAT_COUNTERS.items()}
-        out.update({name: OffloadingGaugeMetadata(documentation=doc) for name, doc in STAT_GAUGES.items()})
-        return out
+        """The counters and gauges ``get_stats`` reports: tierkv's metrics, named as everywhere."""
+        return vllm_metric_definitions(all_metrics())
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

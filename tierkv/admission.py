@@ -1,0 +1,248 @@
+"""Admission: requests, their pins and leases, and the FIFO queue for primary slots.
+
+Pure state, no event loop and no I/O: callers ask it to admit a request's promotions and it
+*returns* the promotions to start (slots reserved and pinned), or queues the request. The store
+starts what it returns; tests drive it directly.
+
+Rules (docs/design.md, "Admission"):
+
+- A request either gets every slot it asks for at once, or holds none while it waits: it gives
+  its pins back when it joins the queue, so no two requests can wait on each other.
+- The queue is first come, first served; when slots free up, :meth:`Admission.service` admits
+  the head at once, without waiting for it to ask again.
+- ``mode="naive"`` (a full pool is a MISS) exists only for comparisons.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tierkv.errors import InvalidArgument
+from tierkv.pool import SlotPool
+
+__all__ = ["Admission", "Promotion", "Request", "Want"]
+
+#: a block a request wants promoted: its key and the position of the lower tier that holds it
+Want = tuple[bytes, int]
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's pins (key -> group) and, while queued, what it waits for (group -> keys)."""
+
+    rid: str | None
+    last_seen: float
+    pins: dict[bytes, int] = field(default_factory=dict)
+    wants: dict[int, list[bytes]] = field(default_factory=dict)
+    #: when it joined the admission queue (None: not queued)
+    queued_at: float | None = None
+    #: the hashes of its last ``lookup_prefix`` (already checked) and the keys made from them
+    last_hashes: list[bytes] | None = None
+    last_keys: dict[int, list[bytes]] = field(default_factory=dict)
+
+    @property
+    def named(self) -> bool:
+        """False for the request of a call made without ``request_id`` (pins for the call only)."""
+        return self.rid is not None
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """Blocks of one group to copy from one lower tier into reserved, pinned primary slots."""
+
+    group: int
+    tier: int
+    keys: list[bytes]
+    slots: list[int]
+
+
+class Admission:
+    """Requests, pins and the admission queue over a store's primary pools."""
+
+    def __init__(self, pools: Mapping[int, SlotPool], mode: Literal["queue", "naive"] = "queue",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pools = pools
+        self.mode = mode
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        #: request ids waiting for slots, first come first served
+        self.queue: OrderedDict[str, None] = OrderedDict()
+
+    # ---- requests and pins ----------------------------------------------------------------------
+    def request(self, request_id: str | None) -> Request | None:
+        """The named request (created on first use, its lease refreshed), or None."""
+        if request_id is None:
+            return None
+        if type(request_id) is not str:
+            raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+        now = self.clock()
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = Request(request_id, now)
+        req.last_seen = now
+        return req
+
+    def anonymous(self) -> Request:
+        """A request for one call made without ``request_id``; release it with :meth:`end_call`."""
+        return Request(None, self.clock())
+
+    def end_call(self, req: Request) -> None:
+        """Drop the pins an anonymous call took (no queue service: its HITs must not be evicted)."""
+        for key in list(req.pins):
+            self.unpin(req, key)
+
+    def pin(self, req: Request | None, group: int, key: bytes, slot: int) -> None:
+        """``req`` needs ``key`` (in ``slot``) to stay until it loads it or is released."""
+        if req is None or key in req.pins:
+            return
+        self.pools[group].pin(slot)
+        req.pins[key] = group
+
+    def pin_many(self, req: Request, group: int, keys: list[bytes], slots: list[int]) -> None:
+        """:meth:`pin` of many keys of one group (the caller checked they are resident)."""
+        pins = req.pins
+        pool = self.pools[group]
+        for key, s in zip(keys, slots, strict=True):
+            if key not in pins:
+                pool.pin(s)
+                pool.touch(key)
+                pins[key] = group
+
+    def unpin(self, req: Request, key: bytes) -> None:
+        """``req`` no longer needs ``key``."""
+        group = req.pins.pop(key, None)
+        if group is None:
+            return
+        pool = self.pools[group]
+        s = pool.slot_of(key)
+        if s is not None:
+            pool.unpin(s)
+            pool.touch(key)
+
+    def drop(self, group: int, key: bytes) -> None:
+        """Free ``key``'s slot (a failed promotion or store) and forget every pin on it."""
+        for req in self.requests.values():
+            req.pins.pop(key, None)
+        pool = self.pools[group]
+        s = pool.slot_of(key)
+        if s is not None:
+            pool.free([s])
+
+    def release(self, request_id: str) -> bool:
+        """Drop every pin ``request_id`` holds and its place in the queue; False when unknown."""
+        req = self.requests.pop(request_id, None)
+        self.queue.pop(request_id, None)
+        if req is None:
+            return False
+        for key in list(req.pins):
+            self.unpin(req, key)
+        return True
+
+    def expired(self, lease_s: float) -> list[str]:
+        """Ids of requests that made no call for ``lease_s`` seconds."""
+        cutoff = self.clock() - lease_s
+        return [r.rid for r in self.requests.values() if r.last_seen < cutoff and r.rid is not None]
+
+    def pinned_in(self, req: Request, group: int) -> int:
+        """How many keys of ``group`` ``req`` pins."""
+        return sum(1 for g in req.pins.values() if g == group)
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit(self, req: Request, wants: Mapping[int, list[Want]]) -> list[Promotion] | None:
+        """Reserve slots for every wanted block at once and return the promotions to start.
+
+        None when the request must wait: it is queued (named requests) and holds no pins then.
+        """
+        if self.mode == "naive":
+            if all(self.pools[g].available() >= len(items) for g, items in wants.items()):
+                return self._start_all(req, wants)
+            return None
+        if self.queue and (not req.named or next(iter(self.queue)) != req.rid):
+            if req.named:
+                self._enqueue(req, wants)
+            return None
+        for g, items in wants.items():
+            if self.pools[g].available() < len(items):
+                if req.named:
+                    self._enqueue(req, wants)
+                return None
+        if req.named:
+            assert req.rid is not None
+            self.queue.pop(req.rid, None)
+            req.wants = {}
+        return self._start_all(req, wants)
+
+    def _enqueue(self, req: Request, wants: Mapping[int, list[Want]]) -> None:
+        """Queue ``req``; it gives back its pins and keeps the blocks they held among its wants."""
+        assert req.rid is not None
+        merged = {g: [k for k, _ in items] for g, items in wants.items()}
+        for key, g in req.pins.items():
+            merged.setdefault(g, []).append(key)
+        req.wants = {g: list(dict.fromkeys(keys)) for g, keys in merged.items()}
+        if req.rid not in self.queue:
+            self.queue[req.rid] = None
+            req.queued_at = self.clock()
+        for key in list(req.pins):
+            self.unpin(req, key)
+
+    def service(self, locate: Callable[[int, bytes], int | None]) -> list[Promotion]:
+        """Admit waiting requests in FIFO order while their wants fit; the promotions to start.
+
+        ``locate(group, key)`` is the position of a lower tier known to hold ``key``, or None.
+        """
+        started: list[Promotion] = []
+        while self.queue:
+            rid = next(iter(self.queue))
+            req = self.requests.get(rid)
+            if req is None:
+                self.queue.pop(rid)
+                continue
+            wants: dict[int, list[Want]] = {}
+            pinned_now: list[tuple[int, bytes, int]] = []
+            for g, keys in req.wants.items():
+                pool = self.pools[g]
+                for k in keys:
+                    s = pool.slot_of(k)
+                    if s is not None:
+                        pinned_now.append((g, k, s))
+                        continue
+                    where = locate(g, k)
+                    if where is not None:
+                        wants.setdefault(g, []).append((k, where))
+            # the blocks it will pin are no longer evictable: count them out of what is available
+            held: dict[int, int] = {}
+            for g, k, _ in pinned_now:
+                if self.pools[g].evictable(k):
+                    held[g] = held.get(g, 0) + 1
+            if any(self.pools[g].available() - held.get(g, 0) < len(items) for g, items in wants.items()):
+                break
+            self.queue.pop(rid)
+            req.wants = {}
+            req.queued_at = None
+            for g, k, s in pinned_now:
+                self.pin(req, g, k, s)
+            started += self._start_all(req, wants)
+        return started
+
+    def _start_all(self, req: Request, wants: Mapping[int, list[Want]]) -> list[Promotion]:
+        out: list[Promotion] = []
+        for g, items in wants.items():
+            if not items:
+                continue
+            pool = self.pools[g]
+            got = pool.allocate([k for k, _ in items])
+            assert got is not None, "admission checked availability"
+            by_tier: dict[int, Promotion] = {}
+            for (key, tier), s in zip(items, got[0], strict=True):
+                self.pin(req, g, key, s)
+                p = by_tier.get(tier)
+                if p is None:
+                    p = by_tier[tier] = Promotion(g, tier, [], [])
+                p.keys.append(key)
+                p.slots.append(s)
+            out += by_tier.values()
+        return out

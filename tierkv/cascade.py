@@ -1,0 +1,111 @@
+"""Cascades: writing blocks from the primary down to every lower tier, in the background.
+
+A cascade pins the primary slots it reads until every tier it was admitted to has written them
+(or failed); blocks that found no primary slot cascade from a private copy (*staged*), which
+lookups and ``get`` see until the cascade ends. Each tier's gateway admits or sheds the cascade
+(semantics 7: stores are shed, counted, before loads suffer); ``flush`` waits for every cascade
+that was admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import anyio
+import torch
+
+from tierkv.bridge import LoopBridge
+from tierkv.gateway import TierGateway
+from tierkv.pool import SlotPool
+
+__all__ = ["Cascader"]
+
+
+class Cascader:
+    """Starts and tracks cascades for one store (state changes under the bridge's lock)."""
+
+    def __init__(self, bridge: LoopBridge, pools: Mapping[int, SlotPool],
+                 gateways: Sequence[TierGateway], changed: Callable[[], None]) -> None:
+        self._bridge = bridge
+        self._pools = pools
+        self._gateways = gateways
+        self._changed = changed
+        #: blocks that found no primary slot, held until their cascades end: key -> [row, refs]
+        self.staged: dict[bytes, list[object]] = {}
+        self.running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    def start(self, group: int, keys: list[bytes], slots: list[int] | None,
+              copy: torch.Tensor | None) -> int:
+        """Cascade ``keys`` (in ``slots`` of the primary, or rows of ``copy``) to every lower tier.
+
+        Returns how many tiers admitted at least one of the keys (0: nothing will hold a staged
+        copy). Call under the lock.
+        """
+        pool = self._pools[group]
+        now = time.monotonic()
+        admitted = 0
+        for gw in self._gateways:
+            idx = [i for i, k in enumerate(keys) if gw.presence(group, k, now) is not True]
+            if not idx:
+                admitted += 1
+                continue
+            nbytes = len(idx) * pool.block_bytes
+            if not gw.admit_store(nbytes):
+                gw.shed(len(idx))
+                continue
+            admitted += 1
+            sub_keys = [keys[i] for i in idx]
+            sub_slots = [slots[i] for i in idx] if slots is not None else None
+            if sub_slots is not None:
+                for s in sub_slots:
+                    pool.pin(s)
+                src, rows = pool.tensor, sub_slots
+            else:
+                assert copy is not None
+                src, rows = copy, idx
+                for i, k in zip(idx, sub_keys, strict=True):
+                    entry = self.staged.setdefault(k, [copy[i], 0])
+                    entry[1] += 1  # type: ignore[operator]
+            if self.running == 0:
+                self._idle = anyio.Event()
+            self.running += 1
+            self._bridge.spawn(self._run, gw, group, sub_keys, src, rows, sub_slots, nbytes)
+        return admitted
+
+    async def _run(self, gw: TierGateway, group: int, keys: list[bytes], src: torch.Tensor,
+                   rows: list[int], slots: list[int] | None, nbytes: int) -> None:
+        try:
+            await gw.store(group, keys, src, rows, nbytes)
+        finally:
+            with self._bridge.lock:
+                self._done(group, keys, slots)
+
+    def _done(self, group: int, keys: list[bytes], slots: list[int] | None) -> None:
+        if slots is not None:
+            pool = self._pools[group]
+            for s in slots:
+                pool.unpin(s)
+        else:
+            for k in keys:
+                entry = self.staged.get(k)
+                if entry is not None:
+                    entry[1] -= 1  # type: ignore[operator]
+                    if entry[1] <= 0:  # type: ignore[operator]
+                        del self.staged[k]
+        self.running -= 1
+        if self.running == 0:
+            self._bridge.set_event(self._idle)
+        self._changed()
+
+    def staged_row(self, key: bytes) -> torch.Tensor | None:
+        """The staged copy of ``key``, if a cascade from a copy holds it."""
+        entry = self.staged.get(key)
+        return None if entry is None else entry[0]  # type: ignore[return-value]
+
+    async def flush(self) -> None:
+        """Wait until every admitted cascade has finished (or failed, counted)."""
+        while self.running:
+            await self._idle.wait()

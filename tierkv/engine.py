@@ -1,0 +1,204 @@
+"""The engine-facing slot API: what an engine adapter needs to copy blocks in and out of the pool.
+
+An engine that moves KV blocks between its own memory and tierkv's primary pool by itself (the
+vLLM adapter's worker does, through a shared-memory pool) works on *full keys* (``block_hash +
+4-byte big-endian group index``, the bytes vLLM's offload keys use) and on slot numbers:
+
+- :meth:`EngineSlots.key_state`: what a lookup of one key says, with the reason
+  (:class:`~tierkv.lookup.KeyState`); HIT and PENDING blocks are pinned for the request.
+- :meth:`EngineSlots.ready_slots` / :meth:`EngineSlots.unpin`: where READY blocks are; the
+  request is done with them.
+- :meth:`EngineSlots.reserve` / :meth:`EngineSlots.commit`: slots for blocks the engine writes
+  itself; committed blocks become READY and cascade to the lower tiers, failed ones vanish.
+- :meth:`EngineSlots.subscribe_evictions`: be told which keys leave the primary (KV events).
+
+Every method may be called from any thread; none waits on I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import anyio
+
+from tierkv.admission import Admission
+from tierkv.bridge import locked
+from tierkv.errors import InvalidArgument
+from tierkv.layout import Layout
+from tierkv.lookup import KeyState, Resolver, Work
+from tierkv.pool import SlotPool, SlotState
+
+__all__ = ["EngineSlots", "EvictionListener", "Reservation"]
+
+#: called under the store's lock with a group and the keys that just left its primary pool
+EvictionListener = Callable[[int, list[bytes]], None]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Slots reserved by :meth:`EngineSlots.reserve`: ``slots[i]`` is None for a block already held."""
+
+    slots: list[int | None]
+    evicted: list[bytes]
+
+
+class EngineSlots:
+    """The slot API of one store (``store.engine``); see the module docstring."""
+
+    def __init__(self, *, lock: threading.RLock, layout: Layout, pools: Mapping[int, SlotPool],
+                 admission: Admission, resolver: Resolver, check_open: Callable[[], None],
+                 start: Callable[[Work], None], committed: Callable[[int, list[bytes], list[int]], None],
+                 changed: Callable[[], None], set_event: Callable[[anyio.Event], None]) -> None:
+        self._lock = lock
+        self._layout = layout
+        self._pools = pools
+        self._admission = admission
+        self._resolver = resolver
+        self._check_open = check_open
+        self._start = start
+        self._committed = committed
+        self._changed = changed
+        self._set_event = set_event
+        #: keys reserved until committed -> an event ``get`` waits on (made on demand)
+        self._storing: dict[bytes, anyio.Event | None] = {}
+        self._listeners: list[EvictionListener] = []
+
+    def _pool(self, group: int) -> SlotPool:
+        self._check_open()
+        pool = self._pools.get(group) if type(group) is int else None
+        if pool is None:
+            self._layout.group(group)  # raises the clear error for an unknown group
+            raise InvalidArgument(f"group {group} has no pool")
+        return pool
+
+    # ---- eviction events ------------------------------------------------------------------------
+    def subscribe_evictions(self, listener: EvictionListener) -> Callable[[], None]:
+        """Call ``listener(group, keys)`` whenever keys leave the primary; returns an unsubscribe."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def notify_evicted(self, group: int, keys: list[bytes]) -> None:
+        """Tell the listeners (the store calls this from the pools' eviction hook)."""
+        for listener in list(self._listeners):
+            listener(group, keys)
+
+    # ---- lookups and loads ----------------------------------------------------------------------
+    @locked
+    def key_state(self, group: int, key: bytes, request_id: str) -> KeyState:
+        """What a lookup of one full key says, pinning HIT and PENDING blocks for the request.
+
+        The caller guarantees the key's tail is ``group``; a READY key is answered without lists.
+        """
+        pool = self._pool(group)
+        req = self._admission.request(request_id)
+        assert req is not None
+        s = pool.index.get(key)
+        if s is not None and pool.state[s] is SlotState.READY:
+            self._admission.pin(req, group, key, s)
+            return KeyState.READY
+        states, work = self._resolver.states(group, [key], req)
+        self._start(work)
+        return states[0]
+
+    @locked
+    def ready_slots(self, group: int, keys: list[bytes]) -> list[int | None]:
+        """The primary slot of each READY key (None for the others)."""
+        pool = self._pool(group)
+        index, state, ready = pool.index, pool.state, SlotState.READY
+        return [s if (s := index.get(k)) is not None and state[s] is ready else None for k in keys]
+
+    @locked
+    def unpin(self, group: int, keys: list[bytes], request_id: str) -> None:
+        """``request_id`` has loaded these keys: drop its pins on them."""
+        self._pool(group)
+        req = self._admission.requests.get(request_id)
+        if req is not None:
+            req.last_seen = self._admission.clock()
+            for k in keys:
+                self._admission.unpin(req, k)
+        if self._admission.queue:
+            self._changed()
+
+    # ---- stores ---------------------------------------------------------------------------------
+    @locked
+    def reserve(self, group: int, keys: list[bytes]) -> Reservation | None:
+        """WRITING slots for keys the engine is about to write into the pool itself.
+
+        Keys already held (ready or in flight) are skipped (``slots[i] is None``); the others get
+        slots, evicting what they must, all or none: None when not enough slots can be had.
+        Reserved keys are PENDING to lookups until :meth:`commit`.
+        """
+        pool = self._pool(group)
+        index = pool.index
+        new = [k for k in keys if k not in index]
+        if not new:
+            return Reservation(slots=[None] * len(keys), evicted=[])
+        got = pool.allocate(new)
+        if got is None:
+            return None
+        for k in new:
+            self._storing[k] = None
+        if len(new) == len(keys):
+            return Reservation(slots=list(got[0]), evicted=list(got[1]))
+        by_key = dict(zip(new, got[0], strict=True))
+        return Reservation(slots=[by_key.get(k) for k in keys], evicted=list(got[1]))
+
+    @locked
+    def commit(self, group: int, keys: list[bytes], success: bool = True) -> None:
+        """Complete reserved keys: READY and cascaded to the lower tiers, or freed and forgotten."""
+        pool = self._pool(group)
+        done_keys, done_slots = [], []
+        for k in keys:
+            if k not in self._storing:
+                continue
+            ev = self._storing.pop(k)
+            if ev is not None:
+                self._set_event(ev)
+            s = pool.slot_of(k)
+            if s is None:
+                continue
+            if success:
+                done_keys.append(k)
+                done_slots.append(s)
+            else:
+                self._admission.drop(group, k)
+        if done_slots:
+            pool.mark_ready(done_slots)
+            self._committed(group, done_keys, done_slots)
+        self._changed()
+
+    def storing(self, key: bytes) -> anyio.Event | None:
+        """An event set when a reserved key is committed; None when ``key`` is not reserved."""
+        if key not in self._storing:
+            return None
+        ev = self._storing[key]
+        if ev is None:
+            ev = self._storing[key] = anyio.Event()
+        return ev
+
+    def is_storing(self, key: bytes) -> bool:
+        """True while ``key`` is reserved and not committed."""
+        return key in self._storing
+
+    # ---- whole pool -----------------------------------------------------------------------------
+    @locked
+    def clear(self) -> int:
+        """Free every READY, unpinned primary slot (lower tiers keep their blocks); how many."""
+        self._check_open()
+        n = 0
+        for pool in self._pools.values():
+            slots = [s for s in range(pool.num_slots)
+                     if pool.state[s] is SlotState.READY and pool.pins[s] == 0]
+            pool.free(slots)
+            n += len(slots)
+        self._changed()
+        return n

@@ -1,0 +1,455 @@
+"""The tier gateway: the one object that drives a lower tier.
+
+Everything that reads, writes or probes a lower tier goes through its :class:`TierGateway`:
+the store's cascades, promotions and probes, ``get``'s reads of evicted blocks, and the vLLM
+secondary tier. The gateway owns the tier's presence cache, its bounds (bytes in flight for stores
+and for loads, concurrent calls), its measured store latency and read rate, its counters, and the
+conversion of backend errors into counted failures: nothing it runs raises into the caller's path.
+
+Data moves between a tier and rows of a caller's tensor (a pool, an engine's buffer, ``get``'s
+``out``) without intermediate copies where the rows allow: runs of consecutive rows are read and
+written in place; scattered rows go through one staging buffer per batch (:func:`plan_rows`).
+
+State changes are made under the lock the gateway is given (the store's), because lookups on other
+threads read the presence cache; the coroutines run on the owner's event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from tierkv.backends.base import Tier
+from tierkv.errors import BackendError
+from tierkv.metrics import TierStats
+from tierkv.pool import contiguous_run, wide_view
+
+__all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
+
+log = logging.getLogger("tierkv")
+
+MIB = 1 << 20
+EMA_ALPHA = 0.2
+PRESENCE_CACHE_ENTRIES = 1 << 20
+#: runs of consecutive rows at least this long move in place; shorter ones are gathered
+DIRECT_RUN_BYTES = 1 << 20
+#: a load is cut into batches of about this many bytes, so blocks land (and become usable) as
+#: they arrive and enough reads are in flight to keep the tier busy
+LOAD_BATCH_BYTES = 16 << 20
+
+OnBatch = Callable[[list[int], list[bool]], None]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One batch of a transfer: positions (into the caller's keys) and whether they are one run."""
+
+    positions: list[int]
+    #: ``(start, stop)`` rows of the caller's tensor when the batch is a run, else None (gathered)
+    run: tuple[int, int] | None
+
+
+def plan_rows(rows: Sequence[int], block_bytes: int, batch_bytes: int = LOAD_BATCH_BYTES) -> list[RowPlan]:
+    """Cut a transfer of ``rows`` into batches, in key order.
+
+    Runs of consecutive rows at least :data:`DIRECT_RUN_BYTES` long (or the whole transfer) become
+    in-place batches, split at ``batch_bytes``; the other positions are gathered into batches of
+    about ``batch_bytes`` that go through a staging buffer.
+    """
+    per = max(1, batch_bytes // max(1, block_bytes))
+    direct_min = max(1, DIRECT_RUN_BYTES // max(1, block_bytes))
+    out: list[RowPlan] = []
+    gathered: list[int] = []
+    n = len(rows)
+    start = 0
+    for i in range(1, n + 1):
+        if i < n and rows[i] == rows[i - 1] + 1:
+            continue
+        length = i - start
+        if length >= direct_min or length == n:
+            for a in range(start, i, per):
+                b = min(i, a + per)
+                out.append(RowPlan(list(range(a, b)), (rows[a], rows[a] + b - a)))
+        else:
+            gathered.extend(range(start, i))
+            while len(gathered) >= per:
+                out.append(RowPlan(gathered[:per], None))
+                gathered = gathered[per:]
+        start = i
+    if gathered:
+        out.append(RowPlan(gathered, None))
+    out.sort(key=lambda p: p.positions[0])
+    return out
+
+
+class ByteBudget:
+    """Bytes in flight, bounded; waiters are served first come, first served.
+
+    A request larger than the bound proceeds once nothing else is in flight. Used from one event
+    loop only.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, anyio.Event]] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
+
+    async def acquire(self, n: int) -> None:
+        """Wait until ``n`` bytes fit, in arrival order."""
+        if not self._waiters and self._fits(n):
+            self.used += n
+            return
+        ev = anyio.Event()
+        entry = (n, ev)
+        self._waiters.append(entry)
+        try:
+            await ev.wait()
+        except BaseException:
+            if ev.is_set():
+                self.release(n)  # granted just as we were cancelled: give it back
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        """Give ``n`` bytes back and wake the waiters that now fit."""
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, ev = self._waiters.popleft()
+            self.used += n
+            ev.set()
+
+
+class TierGateway:
+    """Drives one lower tier: ``store``, ``load`` (into caller rows) and ``probe``.
+
+    Presence answers are cached (found for ``presence_ttl_s``, not found for ``negative_ttl_s``).
+    Stores are admitted against the tier's queue: they are shed (counted) when the bytes waiting
+    would exceed ``max_queued_bytes`` or the measured latency says the queue would take longer
+    than ``shed_after_s``; otherwise they wait their turn for ``max_inflight_bytes``. Loads are
+    never shed: they are cut into batches and throttled by their own ``max_inflight_bytes`` budget
+    and ``read_concurrency`` limiter, so stores never delay them.
+    """
+
+    def __init__(self, index: int, tier: Tier, lock: threading.RLock | None = None) -> None:
+        self.index = index
+        self.tier = tier
+        self.cfg = tier.config
+        self._lock = lock if lock is not None else threading.RLock()
+        cfg = self.cfg
+        self._write_limiter = anyio.CapacityLimiter(max(1, cfg.max_inflight_ops))
+        self._read_limiter = anyio.CapacityLimiter(max(1, cfg.read_concurrency))
+        self._store_budget = ByteBudget(cfg.max_inflight_bytes)
+        self._load_budget = ByteBudget(cfg.max_inflight_bytes)
+        self.max_queued_bytes = cfg.max_queued_bytes or 8 * cfg.max_inflight_bytes
+        #: bytes of stores admitted and not finished (waiting or running)
+        self.store_admitted_bytes = 0
+        self.store_admitted_ops = 0
+        self.ema_s_per_mib = 0.0
+        self.read_bytes_per_s = float(cfg.read_bytes_per_s)
+        self._read_samples = 0
+        self._busy_since = 0.0
+        self._loads_running = 0
+        self.stats = TierStats(index=index, kind=tier.kind, describe=tier.describe())
+        self._presence: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        #: keys whose presence is being probed now
+        self.probing: set[bytes] = set()
+
+    # ---- presence -------------------------------------------------------------------------------
+    @property
+    def fast(self) -> bool:
+        """True when the tier answers presence from memory, without I/O."""
+        return self.tier.capabilities.fast_contains
+
+    def presence(self, group: int, key: bytes, now: float) -> bool | None:
+        """True / False when known, None when a probe is needed."""
+        entry = self._presence.get(key)
+        if entry is not None and entry[1] < now:
+            del self._presence[key]
+            entry = None
+        if self.fast and (entry is None or entry[0]):
+            ans = self.tier.contains_nowait(group, [key])
+            return None if ans is None else ans[0]
+        return None if entry is None else entry[0]
+
+    def note(self, key: bytes, present: bool, now: float | None = None) -> None:
+        """Remember what a probe, a store or a load told about ``key``.
+
+        A tier that answers presence from memory needs only the negative answers: a read that
+        failed keeps the key a MISS for ``negative_ttl_s`` instead of promoting it again and again.
+        """
+        if self.fast and present:
+            self._presence.pop(key, None)
+            return
+        now = time.monotonic() if now is None else now
+        ttl = self.cfg.presence_ttl_s if present else self.cfg.negative_ttl_s
+        self._presence[key] = (present, now + ttl)
+        self._presence.move_to_end(key)
+        while len(self._presence) > PRESENCE_CACHE_ENTRIES:
+            self._presence.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        """Drop a cached presence answer."""
+        self._presence.pop(key, None)
+
+    # ---- stores ---------------------------------------------------------------------------------
+    def backlog_s(self, extra_bytes: int = 0) -> float:
+        """Estimated seconds to write what is admitted (plus ``extra_bytes``), from measured latency."""
+        mib = (self.store_admitted_bytes + extra_bytes) / MIB
+        return self.ema_s_per_mib * mib / max(1, self.cfg.max_inflight_ops)
+
+    def admit_store(self, nbytes: int) -> bool:
+        """Whether a store of ``nbytes`` may be queued; when it may, it is counted as admitted.
+
+        Call under the lock, then run :meth:`store` with the same ``nbytes``. Refused (shed):
+        when the bytes admitted would exceed ``max_queued_bytes``, or when the tier's measured
+        latency says they would take longer than ``shed_after_s`` to write.
+        """
+        if self.store_admitted_bytes:
+            if self.store_admitted_bytes + nbytes > self.max_queued_bytes:
+                return False
+            if self.backlog_s(nbytes) > self.cfg.shed_after_s:
+                return False
+        self.store_admitted_bytes += nbytes
+        self.store_admitted_ops += 1
+        return True
+
+    def shed(self, nkeys: int) -> None:
+        """Count ``nkeys`` blocks not written because :meth:`admit_store` refused them."""
+        self.stats.stores_shed += nkeys
+
+    async def store(self, group: int, keys: list[bytes], src: torch.Tensor,
+                    rows: Sequence[int] | None, nbytes: int) -> list[bool]:
+        """Write ``src[rows[i]]`` (or ``src[i]``) as ``keys[i]``; per key, whether it is stored.
+
+        ``nbytes`` must have been admitted by :meth:`admit_store`. Waits its turn for the bytes
+        in flight, then writes (runs of rows in place, scattered rows from one gathered copy);
+        failures are counted, never raised. ``src`` must not change until this returns.
+        """
+        ok = [False] * len(keys)
+        block = src.shape[1] * src.element_size()
+        rows = list(range(len(keys))) if rows is None else rows
+        elapsed: float | None = None
+        acquired = False
+
+        async def put(plan: RowPlan) -> None:
+            sub = [keys[i] for i in plan.positions]
+            try:
+                data = _take_rows(src, plan.run, [rows[i] for i in plan.positions])
+                async with self._write_limiter:
+                    with self._lock:
+                        self.stats.inflight_ops += 1
+                    try:
+                        res = await self.tier.put(group, sub, data)
+                    finally:
+                        with self._lock:
+                            self.stats.inflight_ops -= 1
+                for i, good in zip(plan.positions, res, strict=True):
+                    ok[i] = bool(good)
+            except Exception as exc:  # a failing lower tier never reaches the caller
+                log.warning("writing %d blocks to tier %d (%s) failed: %s", len(sub), self.index,
+                            self.tier.describe(), _why(exc))
+
+        try:
+            await self._store_budget.acquire(nbytes)
+            acquired = True
+            t0 = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                for plan in plan_rows(rows, block):
+                    tg.start_soon(put, plan)
+            if any(ok):
+                elapsed = time.monotonic() - t0
+        finally:
+            with self._lock:
+                if acquired:
+                    self._store_budget.release(nbytes)
+                self.store_admitted_bytes -= nbytes
+                self.store_admitted_ops -= 1
+                now = time.monotonic()
+                for k, good in zip(keys, ok, strict=True):
+                    self.note(k, good, now)  # a failed store is never seen as present
+                n_ok = sum(ok)
+                self.stats.stores += n_ok
+                self.stats.stores_failed += len(keys) - n_ok
+                self.stats.bytes_written += n_ok * block
+                if elapsed is not None and nbytes:
+                    sample = elapsed / (nbytes / MIB)
+                    self.ema_s_per_mib = sample if self.ema_s_per_mib == 0.0 else (
+                        self.ema_s_per_mib + EMA_ALPHA * (sample - self.ema_s_per_mib))
+        return ok
+
+    # ---- loads ----------------------------------------------------------------------------------
+    async def load(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
+                   on_batch: OnBatch | None = None) -> list[bool]:
+        """Read ``keys[i]`` into row ``rows[i]`` of ``dest`` (``[n, block_bytes]`` bytes).
+
+        The keys are read in batches, in order, as many at once as the tier's load budget allows;
+        ``on_batch(positions, ok)`` is called under the lock as each batch lands, so callers can use
+        blocks before the whole load ends. A row is written only with bytes the tier verified.
+        Returns, per key, whether it was read; errors are counted, never raised.
+        """
+        block = dest.shape[1] * dest.element_size()
+        ok = [False] * len(keys)
+        if not keys:
+            return ok
+
+        async def one(plan: RowPlan) -> None:
+            got = await self._load_batch(group, [keys[i] for i in plan.positions], dest,
+                                         [rows[i] for i in plan.positions], plan.run, block)
+            with self._lock:
+                for i, f in zip(plan.positions, got, strict=True):
+                    ok[i] = f
+                if on_batch is not None:
+                    on_batch(plan.positions, got)
+
+        async def budgeted(plan: RowPlan, nbytes: int) -> None:
+            try:
+                await one(plan)
+            finally:
+                self._load_budget.release(nbytes)
+
+        plans = plan_rows(rows, block, min(LOAD_BATCH_BYTES, max(block, self.cfg.max_inflight_bytes // 4)))
+        async with anyio.create_task_group() as tg:
+            for plan in plans:
+                nbytes = len(plan.positions) * block
+                await self._load_budget.acquire(nbytes)  # in order: early blocks are read first
+                tg.start_soon(budgeted, plan, nbytes)
+        return ok
+
+    @property
+    def load_inflight_bytes(self) -> int:
+        """Bytes of loads in flight now."""
+        return self._load_budget.used
+
+    async def _load_batch(self, group: int, keys: list[bytes], dest: torch.Tensor, rows: list[int],
+                          run: tuple[int, int] | None, block: int) -> list[bool]:
+        direct = run is not None and dest.device.type == "cpu"
+        if direct:
+            assert run is not None
+            buf = dest.view(torch.uint8).reshape(dest.shape[0], block)[run[0]:run[1]]
+        else:
+            buf = torch.empty((len(keys), block), dtype=torch.uint8)
+        t0 = time.monotonic()
+        with self._lock:
+            if self._loads_running == 0:
+                self._busy_since = t0
+            self._loads_running += 1
+        try:
+            async with self._read_limiter:
+                found = list(await self.tier.get(group, keys, buf))
+        except Exception as exc:
+            log.warning("reading %d blocks from tier %d (%s) failed: %s", len(keys), self.index,
+                        self.tier.describe(), _why(exc))
+            with self._lock:
+                self.tier.count("read_errors")
+            found = [False] * len(keys)
+        finally:
+            with self._lock:
+                self._loads_running -= 1
+        good = [j for j, f in enumerate(found) if f]
+        if good and not direct:
+            scatter_rows(dest, [rows[j] for j in good], buf if len(good) == len(keys) else buf[good])
+        with self._lock:
+            now = time.monotonic()
+            for k, f in zip(keys, found, strict=True):
+                self.note(k, f, now)
+            self.stats.hits += len(good)
+            self.stats.misses += len(keys) - len(good)
+            self.stats.bytes_read += len(good) * block
+            self._sample_read_rate(len(good) * block, now)
+        return found
+
+    def _sample_read_rate(self, nbytes: int, now: float) -> None:
+        """Aggregate read rate while loads are in flight: bytes landed over busy time."""
+        busy = now - self._busy_since
+        self._busy_since = now
+        if nbytes <= 0 or busy <= 0:
+            return
+        sample = nbytes / busy
+        self._read_samples += 1
+        if self._read_samples == 1:
+            self.read_bytes_per_s = sample
+        else:
+            self.read_bytes_per_s += EMA_ALPHA * (sample - self.read_bytes_per_s)
+
+    # ---- probes ---------------------------------------------------------------------------------
+    async def probe(self, group: int, keys: list[bytes]) -> None:
+        """Learn whether the tier holds ``keys`` (cached for the TTLs); errors count as absent."""
+        try:
+            async with self._read_limiter:
+                found = await self.tier.contains(group, keys)
+            with self._lock:
+                now = time.monotonic()
+                for k, f in zip(keys, found, strict=True):
+                    self.note(k, f, now)
+                self.stats.probes += len(keys)
+        except Exception as exc:
+            log.warning("probing tier %d (%s) failed: %s", self.index, self.tier.describe(), _why(exc))
+            with self._lock:
+                self.tier.count("probe_errors")
+                now = time.monotonic()
+                for k in keys:
+                    self.note(k, False, now)
+        finally:
+            with self._lock:
+                self.probing.difference_update(keys)
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def snapshot(self) -> TierStats:
+        """Counters as of now (call under the lock)."""
+        s = self.stats.model_copy()
+        s.inflight_bytes = self._store_budget.used
+        s.queued_bytes = self.store_admitted_bytes - self._store_budget.used
+        s.load_inflight_bytes = self._load_budget.used
+        s.store_s_per_mib = self.ema_s_per_mib
+        s.read_bytes_per_s = self.read_bytes_per_s
+        s.used_bytes = self.tier.used_bytes()
+        s.backend = dict(self.tier.counters)
+        return s
+
+
+def _why(exc: BaseException) -> str:
+    """One line on what failed; tierkv's backend errors are already free of credentials."""
+    if isinstance(exc, BackendError):
+        return str(exc)[:300]
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) -> torch.Tensor:
+    """The CPU rows of ``src`` to write: a view when they are one run on the CPU, else a copy."""
+    if run is not None:
+        t = src[run[0]:run[1]]
+    else:
+        t = src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def scatter_rows(dest: torch.Tensor, rows: Sequence[int], src: torch.Tensor) -> None:
+    """``dest[rows[i]] = src[i]`` for byte rows, batched (an int64 view where the rows allow)."""
+    block = dest.shape[1] * dest.element_size()
+    d8 = dest.view(torch.uint8).reshape(dest.shape[0], block)
+    s8 = src.view(torch.uint8).reshape(len(rows), block)
+    if s8.device != d8.device:
+        s8 = s8.to(d8.device)
+    r = contiguous_run(rows)
+    if r is not None:
+        d8[r[0]:r[1]].copy_(s8)
+        return
+    wide = wide_view(d8)
+    idx = torch.tensor(list(rows), dtype=torch.int64, device=d8.device)
+    wide.index_copy_(0, idx, s8.contiguous().view(wide.dtype))

@@ -1,0 +1,43 @@
+"""Checks that a caller's tensor can be used as rows of block bytes, before any state changes."""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.errors import InvalidArgument
+
+__all__ = ["byte_rows"]
+
+
+def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.device,
+              writable: bool = False) -> torch.Tensor:
+    """``t`` as a ``[n, block_bytes]`` uint8 view, or :class:`InvalidArgument` saying why not.
+
+    Any dtype whose rows are ``block_bytes`` long is accepted; refused are tensors that cannot be
+    viewed as plain bytes (sparse, quantized, conjugate or negative views, meta tensors), tensors
+    that are not contiguous, on another device than ``device`` or the CPU, and, for ``writable``
+    (an output), tensors that require grad.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise InvalidArgument(f"{what} must be a dense tensor, not {t.layout}")
+    if t.is_quantized:
+        raise InvalidArgument(f"{what} is a quantized tensor: pass its raw bytes (int_repr()) instead")
+    if t.is_conj() or t.is_neg():
+        raise InvalidArgument(f"{what} is a lazy conjugate or negative view: call resolve_conj() /"
+                              " resolve_neg() first")
+    if t.device.type not in ("cpu", device.type):
+        raise InvalidArgument(f"{what} is on {t.device}; the pool is on {device}")
+    if t.dim() != 2 or t.shape[0] != n or t.shape[1] * t.element_size() != block_bytes:
+        raise InvalidArgument(
+            f"{what}: expected {n} rows of {block_bytes} bytes, got shape {tuple(t.shape)} of"
+            f" {t.dtype} ({t.element_size()} bytes per element)")
+    if not t.is_contiguous():
+        raise InvalidArgument(f"{what} must be contiguous")
+    if writable and t.requires_grad:
+        raise InvalidArgument(f"{what} must not require grad")
+    try:
+        return t.detach().view(torch.uint8).reshape(n, block_bytes)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"{what} cannot be viewed as bytes: {str(exc).splitlines()[0]}") from None
