@@ -309,7 +309,7 @@ class FileBench:
         if self.do_store:
             store = TieredStore(self.store_config(f"file://{rdir}/store"))
             await store.open()
-            store.pools[GROUP].tensor.zero_()  # touch the pool once, as a serving node's is
+            # the store's pools are touched (zeroed) at open, as a serving node's are
         try:
             # the very paths the tier writes, under another root
             same_paths = [f"{rdir}/raw-tree" + seq.path(k)[len(f"{rdir}/tier-seq"):] for k in keys]
@@ -366,11 +366,9 @@ class FileBench:
         if st.stores_shed or st.stores_failed or st.stores != self.n:
             raise SystemExit(f"store: {st.stores} blocks cascaded, {st.stores_shed} shed, "
                              f"{st.stores_failed} failed; the ratios would be meaningless")
-        pool = store.pools[GROUP]
-        got = pool.allocate([b"\xff" * 8 + i.to_bytes(28, "big") for i in range(self.n)])
-        if got is None or any(pool.slot_of(k) is not None for k in keys):
+        store.engine.clear()
+        if any(s is not None for s in store.engine.ready_slots(GROUP, keys)):
             raise SystemExit("store: could not evict the benchmark's blocks from the primary")
-        pool.free(got[0])
 
     def check(self, name: str) -> None:
         if not name.startswith("raw") and not torch.equal(self.out, self.src):

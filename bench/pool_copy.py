@@ -39,10 +39,9 @@ async def store_times(bb: int, n: int, repeats: int) -> tuple[float, float]:
     out = torch.empty_like(src)
     puts, gets = [], []
     async with TieredStore(cfg) as store:
-        pool = store.pools[0]
         for r in range(repeats + 1):
             hashes = [r.to_bytes(4, "big") + i.to_bytes(8, "big") for i in range(n)]
-            pool.free(list(range(n)))
+            store.engine.clear()
             t0 = time.perf_counter()
             await store.put(0, hashes, src)
             t1 = time.perf_counter()

@@ -96,7 +96,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tierkv.errors import TierKVError
-    from tierkv.inspect import inspect_tier
+    from tierkv.audit import inspect_tier
 
     try:
         report = anyio.run(lambda: inspect_tier(args.url, _storage_options(args.storage_option),
@@ -134,7 +134,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from tierkv.errors import TierKVError
-    from tierkv.inspect import verify_tier
+    from tierkv.audit import verify_tier
 
     console = Console(stderr=True)
     try:

@@ -1,4 +1,4 @@
-"""Block keys: ``block_hash + group_index.to_bytes(4, "big")``, and the paths derived from them."""
+"""Block keys: ``block_hash + group_index.to_bytes(4, "big")``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["GROUP_BYTES", "check_hashes", "key_group", "key_relpath", "make_key", "split_key"]
+__all__ = ["GROUP_BYTES", "check_hashes", "key_group", "make_key", "split_key"]
 
 GROUP_BYTES = 4
 MAX_HASH_BYTES = 1024
@@ -38,18 +38,9 @@ def key_group(key: bytes) -> int:
     return int.from_bytes(key[-GROUP_BYTES:], "big")
 
 
-def key_relpath(key: bytes) -> str:
-    """A relative path for a key, made only of hex segments: ``g<group>/<hh>/<hh>/<hex>``.
-
-    Only ``[0-9a-f]``, ``g`` and ``/`` appear, so no key can name a path outside a tier's root.
-    """
-    _, group = split_key(key)
-    kx = key.hex()
-    return f"g{group:08x}/{kx[:2]}/{kx[2:4]}/{kx}"
-
-
-def check_hashes(hashes: Sequence[bytes]) -> None:
-    """Refuse hashes that are not a sequence of bytes, empty or too long, or repeated in one call."""
+def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
+    """``hashes`` as a list of ``bytes``; refused when not a sequence of bytes (``bytearray`` is
+    accepted), when one is empty or too long, or when one repeats within the call."""
     if isinstance(hashes, (bytes, bytearray, str)):
         raise InvalidArgument("hashes must be a sequence of bytes, not a single bytes/str value")
     if not isinstance(hashes, Sequence):
@@ -57,8 +48,9 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
             f"hashes must be a sequence (list or tuple) of bytes, got {type(hashes).__name__}")
     if (set(map(type, hashes)) <= {bytes} and len(set(hashes)) == len(hashes)
             and (not hashes or (min(map(len, hashes)) > 0 and max(map(len, hashes)) <= MAX_HASH_BYTES))):
-        return
+        return hashes if type(hashes) is list else list(hashes)
     seen: set[bytes] = set()
+    out = []
     for i, h in enumerate(hashes):
         if not isinstance(h, (bytes, bytearray)):
             raise InvalidArgument(f"hashes[{i}] must be bytes, got {type(h).__name__}")
@@ -68,3 +60,5 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
         if b in seen:
             raise InvalidArgument(f"duplicate hash at position {i} in one call")
         seen.add(b)
+        out.append(b)
+    return out

@@ -155,10 +155,10 @@ class Resolver:
     # ---- prefixes -------------------------------------------------------------------------------
     def prefix(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
         """The longest usable prefix over every prefix-cacheable group (docs/design.md)."""
-        if req.last_hashes != hashes:
-            check_hashes(hashes)
-            req.last_hashes = list(hashes)
+        if req.last_hashes is None or req.last_hashes != hashes:
+            req.last_hashes = list(check_hashes(hashes))
             req.last_keys = {}
+        hashes = req.last_hashes
         n = len(hashes)
         now = time.monotonic()
         work = Work()

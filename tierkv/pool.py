@@ -148,14 +148,16 @@ def plan_pools(
 def allocate_pool_tensor(rows: int, row_bytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """A ``[rows, row_bytes]`` uint8 tensor; pinned when it is on the CPU and CUDA is present.
 
-    Returns the tensor and whether it is pinned. Pinning falls back to plain memory when it fails.
+    Returns the tensor (zero-filled, so its pages are in place) and whether it is pinned. Pinning
+    falls back to plain memory when it fails.
     """
     if device.type == "cpu" and torch.cuda.is_available():
         try:
-            return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True), True
+            return torch.zeros((rows, row_bytes), dtype=torch.uint8, pin_memory=True), True
         except RuntimeError:
             pass
-    return torch.empty((rows, row_bytes), dtype=torch.uint8, device=device), False
+    # zeroed, not empty: every page is faulted in now, not on a request's first restore
+    return torch.zeros((rows, row_bytes), dtype=torch.uint8, device=device), False
 
 
 SHM_ALIGN = 4096

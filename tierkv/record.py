@@ -58,6 +58,7 @@ __all__ = [
     "encode_record_parts",
     "header_len_for",
     "none_header",
+    "none_parts_match",
     "read_header",
     "verify_record",
 ]
@@ -411,6 +412,25 @@ def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 
     return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODEC_NONE, _CHECKSUM_XXH3_64, elem_size, 0, len(key),
                        header_len, 0, _fingerprint_bytes(fingerprint), raw_len,
                        raw_len) + key + bytes(header_len - FIXED_HEADER_LEN - len(key))
+
+
+def none_parts_match(expected_header: bytes, head: bytes | bytearray,
+                     payload: memoryview | bytes | npt.NDArray[np.uint8], tail: bytes | bytearray,
+                     nread: int) -> bool:
+    """Whether a ``none`` record read in pieces (header, payload, trailer) is exactly the one expected.
+
+    ``expected_header`` is :func:`none_header` of the key, fingerprint and size the reader wants;
+    ``head`` and ``tail`` received the record's first and last bytes (``tail`` one spare byte
+    longer than the trailer, to catch longer files) and ``nread`` is how many bytes the read
+    returned. One comparison checks every header field; then the xxh3 checksum of header and
+    payload must match the trailer. False means: read the record whole and decode it
+    (:func:`decode_record` tells why it fails, or decodes a record of another codec).
+    """
+    if nread != len(head) + memoryview(payload).nbytes + TRAILER_LEN or head != expected_header:
+        return False
+    digest = xxhash.xxh3_64(head)
+    digest.update(payload)
+    return digest.intdigest() == int.from_bytes(tail[:TRAILER_LEN], "little")
 
 
 def _parse_header(view: memoryview) -> RecordHeader:

@@ -170,9 +170,8 @@ class TieredStore:
         if pool is None:
             self.layout.group(group)  # raises the clear error
             raise InvalidArgument(f"group {group} has no pool")
-        check_hashes(hashes)
         tail = group.to_bytes(GROUP_BYTES, "big")
-        return pool, [h + tail for h in hashes]
+        return pool, [h + tail for h in check_hashes(hashes)]
 
     # ---- put ------------------------------------------------------------------------------------
     async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:

@@ -4,6 +4,13 @@ Three drivers share one small interface: ``LocalDriver`` (``file://`` and plain 
 in worker threads, temporary name + ``os.replace``, optional fsync), ``SyncDriver`` (any synchronous
 fsspec file system, e.g. ``memory://``: temporary name + move) and ``AsyncDriver`` (asynchronous
 fsspec file systems such as s3fs: one PUT publishes a whole object, so no temporary name).
+
+A tier hands each driver the same per-record jobs (:meth:`Driver.write_each`,
+:meth:`Driver.read_each`); the driver decides where they run: local jobs run whole in a worker
+thread beside their system calls (a scatter read straight into the caller's row, say), remote
+ones after (or before) the request, in a worker thread when the batch is large. A record's path
+that holds anything but a regular file (a FIFO, a device, a symlink) is :class:`SpecialFile`,
+never opened for reading: a reader would block in ``open`` beyond any cancel scope.
 """
 
 from __future__ import annotations
@@ -14,16 +21,23 @@ import functools
 import os
 import secrets
 import socket
+import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["AsyncDriver", "Driver", "Entry", "LocalDriver", "SyncDriver", "TEMP_MARK", "temp_owner_alive"]
+__all__ = ["AsyncDriver", "BytesSource", "Driver", "Entry", "LocalDriver", "LocalSource", "RecordSource",
+           "SpecialFile", "SyncDriver", "TEMP_MARK", "temp_owner_alive"]
 
 T = TypeVar("T")
+R = TypeVar("R")
+
+#: batches of about this many bytes or fewer have their CPU work done inline, larger ones in a
+#: worker thread
+INLINE_BYTES = 1 << 20
 
 #: temporary files are ``.<name>.tkvtmp-<host>-<pid>-<random>``: host and pid say who wrote them
 TEMP_MARK = ".tkvtmp-"
@@ -37,6 +51,109 @@ class Entry:
     path: str
     size: int
     mtime: float
+
+
+class SpecialFile(OSError):
+    """A record's path holds something that is not a regular file (FIFO, device, symlink, ...)."""
+
+
+class RecordSource(Protocol):
+    """One record's bytes, wherever they are: a file to read, or bytes already fetched."""
+
+    def readinto(self, bufs: list[Any]) -> int | None:
+        """Fill ``bufs`` in order from the start of the record; bytes read, None when absent."""
+
+    def read_all(self, limit: int) -> bytes | None:
+        """At most ``limit`` bytes of the record; None when absent."""
+
+
+def _open_regular(path: str) -> int | None:
+    """A read-only descriptor of the regular file at ``path``; None when absent.
+
+    Never blocks (``O_NONBLOCK``: a FIFO opens at once) and never follows a symlink; anything but
+    a regular file raises :class:`SpecialFile`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise SpecialFile(errno.ELOOP, "a symlink where a record should be", path) from None
+        if exc.errno == errno.EISDIR:
+            raise SpecialFile(errno.EISDIR, "a directory where a record should be", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
+    return fd
+
+
+class LocalSource:
+    """A record in a local (or mounted) file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def readinto(self, bufs: list[Any]) -> int | None:
+        """One ``readv`` into ``bufs``. Regular files read short only at their end, so a result
+        equal to the total length of ``bufs`` means the file is at least that long."""
+        fd = _open_regular(self.path)
+        if fd is None:
+            return None
+        try:
+            return os.readv(fd, bufs)
+        finally:
+            os.close(fd)
+
+    def read_all(self, limit: int) -> bytes | None:
+        """Up to ``limit`` bytes."""
+        fd = _open_regular(self.path)
+        if fd is None:
+            return None
+        try:
+            chunks = []
+            left = limit
+            while left > 0:
+                got = os.read(fd, min(left, 1 << 24))
+                if not got:
+                    break
+                chunks.append(got)
+                left -= len(got)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+
+class BytesSource:
+    """A record fetched whole (an object store's GET)."""
+
+    def __init__(self, data: bytes | None) -> None:
+        self.data = data
+
+    def readinto(self, bufs: list[Any]) -> int | None:
+        """Copy the bytes into ``bufs`` in order."""
+        if self.data is None:
+            return None
+        view = memoryview(self.data)
+        done = 0
+        for b in bufs:
+            dst = memoryview(b).cast("B")
+            n = min(len(dst), len(view) - done)
+            dst[:n] = view[done:done + n]
+            done += n
+            if n < len(dst):
+                break
+        return done
+
+    def read_all(self, limit: int) -> bytes | None:
+        """The bytes (at most ``limit``)."""
+        return None if self.data is None else self.data[:limit]
 
 
 def temp_name(path: str) -> str:
@@ -93,6 +210,48 @@ class Driver:
     async def listdir(self, root: str) -> list[Entry]:
         """Every file under ``root`` (recursively), temporary files included."""
         raise NotImplementedError
+
+    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                         nbytes: int) -> list[int | BaseException | None]:
+        """Publish the record ``job(i)`` returns (pieces, or None: skip it) at ``paths[i]``.
+
+        Per item: its size, None when skipped, or the error. ``nbytes`` (about the batch's size)
+        decides whether the jobs run inline or in a worker thread.
+        """
+        def encode_all() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for i in range(len(paths)):
+                parts = job(i)  # pieces may view per-thread scratch: join them at once
+                out.append(None if parts is None else b"".join(bytes(memoryview(p)) for p in parts))
+            return out
+
+        blobs = encode_all() if nbytes <= INLINE_BYTES else await self.compute(encode_all)
+        results: list[int | BaseException | None] = [None] * len(paths)
+        todo = [i for i, b in enumerate(blobs) if b is not None]
+        errors = await self.write_many([(paths[i], blobs[i]) for i in todo])  # type: ignore[misc]
+        for i, err in zip(todo, errors, strict=True):
+            results[i] = err if err is not None else len(blobs[i])  # type: ignore[arg-type]
+        return results
+
+    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                        nbytes: int) -> list[R | BaseException]:
+        """``job(i, source)`` over each record's bytes (at most ``limit``); per item its result or
+        the error reading it raised (an ``OSError`` the job raises counts as one)."""
+        datas = await self.read_many(paths, limit - 1)
+
+        def check_all() -> list[R | BaseException]:
+            out: list[R | BaseException] = []
+            for i, d in enumerate(datas):
+                if isinstance(d, BaseException):
+                    out.append(d)
+                    continue
+                try:
+                    out.append(job(i, BytesSource(d)))
+                except OSError as exc:
+                    out.append(exc)
+            return out
+
+        return check_all() if nbytes <= INLINE_BYTES else await self.compute(check_all)
 
     async def write_small(self, path: str, data: bytes) -> None:
         """Publish a small file atomically (namespace manifests)."""
@@ -186,40 +345,23 @@ class LocalDriver(Driver):
         """Stop the worker threads (after the jobs already queued)."""
         await anyio.to_thread.run_sync(self._pool.shutdown)
 
-    @staticmethod
-    def read_scatter(path: str, bufs: list[Any]) -> int | None:
-        """Read ``path`` into ``bufs`` in order with one ``readv``; the bytes read, None when absent.
+    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                         nbytes: int) -> list[int | BaseException | None]:
+        """Encode and publish each record in one worker thread (``writev`` of its pieces)."""
 
-        Regular files read short only at their end, so a result equal to the total length of
-        ``bufs`` means the file is at least that long (a caller that must know it is not longer
-        gives one spare byte in its last buffer).
-        """
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.readv(fd, bufs)
-        finally:
-            os.close(fd)
+        def one(i: int) -> int | None:
+            parts = job(i)
+            if parts is None:
+                return None
+            self._write_one(paths[i], parts)
+            return sum(memoryview(p).nbytes for p in parts)
 
-    @staticmethod
-    def read_upto(path: str, buf: memoryview) -> int | None:
-        """Read at most ``len(buf)`` bytes of ``path`` into ``buf``; how many, None when absent."""
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
-            raise OSError(errno.EISDIR, "a directory where a record should be", path) from None
-        with f:
-            done = 0
-            while done < len(buf):
-                got = f.readinto(buf[done:])
-                if not got:
-                    break
-                done += got
-            return done
+        return await self.map(one, len(paths))  # type: ignore[return-value]
+
+    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                        nbytes: int) -> list[R | BaseException]:
+        """Each job runs in a worker thread on the file itself (a scatter read into its rows)."""
+        return await self.map(lambda i: job(i, LocalSource(paths[i])), len(paths))  # type: ignore[return-value]
 
     def write_one(self, path: str, data: bytes | list[Any]) -> None:
         """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""
@@ -271,13 +413,7 @@ class LocalDriver(Driver):
 
     @staticmethod
     def _read_one(path: str, limit: int) -> bytes | None:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                return f.read(limit + 1)
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
-            raise OSError(errno.EISDIR, "a directory where a record should be", path) from None
+        return LocalSource(path).read_all(limit + 1)
 
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Read the batch in chunks over the worker threads."""
@@ -304,9 +440,9 @@ class LocalDriver(Driver):
                 for name in files:
                     p = f"{d}/{name}"
                     try:
-                        st = os.stat(p)
-                    except FileNotFoundError:
-                        continue
+                        st = os.lstat(p)  # a symlink (a loop, say) is listed, never followed
+                    except OSError:
+                        continue  # vanished, or unreadable: one bad entry never stops a listing
                     out.append(Entry(p, st.st_size, st.st_mtime))
             return out
 

@@ -1,9 +1,10 @@
 """``fsspec``: one self-checking record per block on any fsspec URL (disk, NFS, S3, memory).
 
-Paths derive from the namespace fingerprint, the group index and the key, so a new process serves
-what an earlier one wrote with no index to rebuild; a different layout or namespace never sees it::
+Paths derive from the namespace fingerprint, the group index and the key
+(:mod:`tierkv.backends.namespace` owns the layout), so a new process serves what an earlier one
+wrote with no index to rebuild; a different layout or namespace never sees it::
 
-    <root>/<fingerprint>/g<group:08x>/<kk>/<kk>/<key hex>.tkv
+    <root>/<fingerprint>/g<group:08x>/<n0n1>/<n2n3>/<name>.tkv
     <root>/<fingerprint>/layout.json          (layout and namespace, for `tierkv inspect`)
 
 Publishing is atomic: a unique temporary name in the same directory
@@ -22,8 +23,7 @@ logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :
 
 from __future__ import annotations
 
-import functools
-import json
+import errno
 import logging
 import os
 import threading
@@ -36,27 +36,37 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import anyio
 import numpy as np
 import torch
-import xxhash
 from pydantic import Field, PositiveInt
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.fsio import (
-    TEMP_MARK,
     AsyncDriver,
     Driver,
     LocalDriver,
+    RecordSource,
+    SpecialFile,
     SyncDriver,
     temp_owner_alive,
 )
+from tierkv.backends.namespace import (
+    RECORD_SUFFIX,
+    classify,
+    is_record_name,
+    key_from_name,
+    manifest_bytes,
+    manifest_path,
+    namespace_path,
+    record_path,
+)
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
-from tierkv.keys import key_relpath, split_key
 from tierkv.record import (
     FIXED_HEADER_LEN,
     TRAILER_LEN,
     decode_record,
-    encode_record,
     encode_record_parts,
     none_header,
+    none_parts_match,
+    read_header,
 )
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_threads", "open_driver",
@@ -64,12 +74,12 @@ __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "defau
 
 log = logging.getLogger("tierkv.fsspec")
 
-RECORD_SUFFIX = ".tkv"
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
-#: batches of codec ``none`` up to this size are encoded / checked in the event loop thread
-INLINE_CODEC_BYTES = 1 << 20
+#: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
+#: not fatal (records already there stay readable)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FsspecTierConfig(TierConfig):
@@ -105,11 +115,6 @@ def redact_url(url: str) -> str:
     parts = urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def record_path(root: str, fingerprint: str, key: bytes) -> str:
-    """Where the record of ``key`` lives under ``root`` for a namespace ``fingerprint``."""
-    return f"{root}/{fingerprint}/{key_relpath(key)}{RECORD_SUFFIX}"
 
 
 #: storage option names whose values are credentials (matched as substrings, lower case)
@@ -257,8 +262,8 @@ class FsspecTier(Tier):
 
     Every failure of the file system inside ``put`` / ``get`` / ``contains`` is either a per-key
     ``False`` (counted in ``counters``) or a :class:`~tierkv.errors.BackendError` whose message
-    holds no credentials. A damaged record is a counted miss (``corrupt``, ``corrupt_<reason>``)
-    and is removed.
+    holds no credentials. A damaged or foreign record (a special file included) is a counted miss
+    (``corrupt``, ``corrupt_<reason>``) and is removed.
     """
 
     kind = "fsspec"
@@ -274,7 +279,8 @@ class FsspecTier(Tier):
         self._redact = Redactor(config.url, config.storage_options)
         self._driver: Driver | None = None
         self.root = ""
-        self._known: OrderedDict[bytes, int] = OrderedDict()
+        #: records this process knows of, least recently used first: path -> size
+        self._known: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._evicting = False
         self._scan_done = anyio.Event()
@@ -292,7 +298,7 @@ class FsspecTier(Tier):
     @property
     def ns_root(self) -> str:
         """The directory of this namespace."""
-        return f"{self.root}/{self.context.fingerprint}"
+        return namespace_path(self.root, self.context.fingerprint)
 
     def path(self, key: bytes) -> str:
         """Where ``key``'s record lives."""
@@ -305,10 +311,11 @@ class FsspecTier(Tier):
         log.warning("%s on %s failed: %s", what, self.describe(), self._redact.error(exc))
 
     async def open(self) -> None:
-        """Connect and write the namespace manifest (``layout.json``).
+        """Connect, and write the namespace manifest (``layout.json``) unless it is already there.
 
         Raises :class:`~tierkv.errors.BackendError` (no credentials in it) when the file system
-        cannot be reached or written.
+        cannot be reached, read or written; a full disk is not an error here (the records already
+        there stay readable), it is logged and counted.
         """
         limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
@@ -316,17 +323,30 @@ class FsspecTier(Tier):
                                                   self.cfg.io_threads, self.cfg.fsync)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
-            manifest = json.dumps({"format": "tierkv-namespace-v1", "namespace": self.context.namespace,
-                                   "fingerprint": self.context.fingerprint,
-                                   "layout": self.context.layout.model_dump(mode="json")},
-                                  sort_keys=True, indent=1).encode()
-            await self.driver.write_small(f"{self.ns_root}/layout.json", manifest)
+            await self._write_manifest()
         except BackendNotFound:
             await self._close_quietly()
             raise
         except Exception as exc:
             await self._close_quietly()
             raise self._error("opening the tier", exc) from None
+
+    async def _write_manifest(self) -> None:
+        ctx = self.context
+        manifest = manifest_bytes(ctx.namespace, ctx.fingerprint, ctx.layout)
+        path = manifest_path(self.root, ctx.fingerprint)
+        (found,) = await self.driver.read_many([path], len(manifest))
+        if isinstance(found, BaseException):
+            raise found
+        if found == manifest:
+            return
+        try:
+            await self.driver.write_small(path, manifest)
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            self.count("manifest_errors")
+            self._warn("writing the namespace manifest", exc)
 
     async def _close_quietly(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -357,35 +377,26 @@ class FsspecTier(Tier):
         Temporary files whose writer is known dead (same host, pid gone) are removed at once;
         those of live or remote writers once older than ``stale_temp_s``. Records are added to
         the LRU oldest first (by modification time), then the tier is evicted down to capacity.
+        Entries that cannot be listed (vanished, unreadable) are skipped, never fatal.
         """
         try:
-            entries = await self.driver.listdir(self.ns_root)
+            listing = classify(self.root, await self.driver.listdir(self.ns_root))
             now = time.time()
             stale = []
-            found: list[tuple[float, bytes, int]] = []
-            for e in entries:
-                name = e.path.rpartition("/")[2]
-                if TEMP_MARK in name:
-                    alive = temp_owner_alive(name)
-                    if alive is False or now - e.mtime > self.cfg.stale_temp_s:
-                        stale.append(e.path)
-                    continue
-                if not name.endswith(RECORD_SUFFIX):
-                    continue
-                try:
-                    key = bytes.fromhex(name[: -len(RECORD_SUFFIX)])
-                    split_key(key)
-                except ValueError:
-                    continue
-                found.append((e.mtime, key, e.size))
+            for e, rel, _ in listing.temps:
+                alive = temp_owner_alive(rel.rpartition("/")[2])
+                if alive is False or now - e.mtime > self.cfg.stale_temp_s:
+                    stale.append(e.path)
             if stale:
                 await self.driver.delete_many(stale)
                 self.count("temp_removed", len(stale))
-            found.sort()
-            older: OrderedDict[bytes, int] = OrderedDict()
-            for _, key, size in found:
-                if key not in self._known:
-                    older[key] = size
+            found = sorted((e.mtime, e.path, e.size)
+                           for e, rel in listing.records.get(self.context.fingerprint, [])
+                           if is_record_name(rel.rpartition("/")[2]))
+            older: OrderedDict[str, int] = OrderedDict()
+            for _, path, size in found:
+                if path not in self._known:
+                    older[path] = size
             self._used += sum(older.values())
             older.update(self._known)
             self._known = older
@@ -397,15 +408,15 @@ class FsspecTier(Tier):
         finally:
             self._scan_done.set()
 
-    def _remember(self, key: bytes, size: int) -> None:
-        old = self._known.pop(key, None)
+    def _remember(self, path: str, size: int) -> None:
+        old = self._known.pop(path, None)
         if old is not None:
             self._used -= old
-        self._known[key] = size
+        self._known[path] = size
         self._used += size
 
-    def _forget(self, key: bytes) -> None:
-        old = self._known.pop(key, None)
+    def _forget(self, path: str) -> None:
+        old = self._known.pop(path, None)
         if old is not None:
             self._used -= old
 
@@ -418,11 +429,11 @@ class FsspecTier(Tier):
             while self._used > cap and self._known:
                 victims = []
                 while self._used > cap and self._known:
-                    key, size = self._known.popitem(last=False)
+                    path, size = self._known.popitem(last=False)
                     self._used -= size
-                    victims.append(key)
+                    victims.append(path)
                 try:
-                    await self.driver.delete_many([self.path(k) for k in victims])
+                    await self.driver.delete_many(victims)
                 except Exception as exc:
                     self._warn("evicting records", exc)
                     self.count("evict_errors")
@@ -431,12 +442,6 @@ class FsspecTier(Tier):
             self._evicting = False
 
     # ---- Tier API -------------------------------------------------------------------------------
-    def _encode(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bytes]:
-        fp = self.context.fingerprint
-        return [encode_record(key=k, fingerprint=fp, payload=rows[i], codec=self.cfg.codec,
-                              elem_size=self.cfg.elem_size, level=self.cfg.zstd_level)
-                for i, k in enumerate(keys)]
-
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Encode each block into a record and publish it atomically; per key, whether it is stored."""
         try:
@@ -444,70 +449,36 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("storing records", exc) from None
 
-    def _put_local(self, keys: Sequence[bytes], rows: np.ndarray, i: int) -> int:
-        """Encode record ``i`` and publish it with one ``writev``, in a worker thread: no joined copy.
-
-        Returns the record's size, negated when it exceeds ``capacity_bytes`` (not written).
-        """
-        driver = self.driver
-        assert isinstance(driver, LocalDriver)
-        cfg = self.cfg
-        parts = encode_record_parts(key=keys[i], fingerprint=self.context.fingerprint, payload=rows[i],
-                                    codec=cfg.codec, elem_size=cfg.elem_size, level=cfg.zstd_level)
-        size = sum(memoryview(p).nbytes for p in parts)
-        if cfg.capacity_bytes is not None and size > cfg.capacity_bytes:
-            return -size
-        driver.write_one(self.path(keys[i]), parts)
-        return size
-
     async def _put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
-        results: list[int | BaseException]
-        if isinstance(self.driver, LocalDriver):
-            # encode (checksum, compression) and write of each record in one worker thread, in
-            # parallel over the tier's threads
-            results = list(await self.driver.map(functools.partial(self._put_local, keys, rows), len(keys)))
-        else:
-            if self.cfg.codec == "none" and rows.nbytes <= INLINE_CODEC_BYTES:
-                records = self._encode(keys, rows)
-            else:
-                records = await self.driver.compute(self._encode, keys, rows)
-            cap = self.cfg.capacity_bytes
-            results = [-len(r) for r in records]
-            todo = [i for i, r in enumerate(records) if cap is None or len(r) <= cap]
-            errors = await self.driver.write_many([(self.path(keys[i]), records[i]) for i in todo])
-            for i, err in zip(todo, errors, strict=True):
-                results[i] = len(records[i]) if err is None else err
+        cfg = self.cfg
+        fp = self.context.fingerprint
+        cap = cfg.capacity_bytes
+        paths = [self.path(k) for k in keys]
+
+        def encode(i: int) -> list[Any] | None:
+            parts = encode_record_parts(key=keys[i], fingerprint=fp, payload=rows[i], codec=cfg.codec,
+                                        elem_size=cfg.elem_size, level=cfg.zstd_level)
+            if cap is not None and sum(memoryview(p).nbytes for p in parts) > cap:
+                return None  # a record larger than the whole tier is never written
+            return parts
+
+        results = await self.driver.write_each(paths, encode, rows.nbytes)
         ok = [False] * len(keys)
         too_large = 0
         for i, res in enumerate(results):
             if isinstance(res, BaseException):
                 self.count("write_errors")
                 self._warn("writing a record", res)
-            elif res < 0:
+            elif res is None:
                 too_large += 1
             else:
-                self._remember(keys[i], res)
+                self._remember(paths[i], res)
                 ok[i] = True
         if too_large:
             self.count("too_large", too_large)
         await self._evict()
         return ok
-
-    def _decode_into(self, keys: Sequence[bytes], datas: list[Any], out: np.ndarray,
-                     max_raw: int) -> list[str | None]:
-        fp = self.context.fingerprint
-        res: list[str | None] = []
-        for i, (k, data) in enumerate(zip(keys, datas, strict=True)):
-            if not isinstance(data, bytes):
-                res.append(None)
-                continue
-            try:
-                decode_record(data, key=k, fingerprint=fp, max_raw_bytes=max_raw, out=out[i])
-                res.append("")
-            except CorruptRecord as exc:
-                res.append(exc.reason)
-        return res
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         """Read, verify and decode records into ``out``; a damaged record is a counted miss, removed."""
@@ -516,93 +487,86 @@ class FsspecTier(Tier):
         except Exception as exc:
             raise self._error("reading records", exc) from None
 
-    def _get_local(self, keys: Sequence[bytes], np_out: np.ndarray, heads: dict[int, tuple[bytes, bytes]],
-                   i: int) -> int | str | None:
-        """Read ``none`` record ``i`` into ``np_out[i]`` and verify it, in a worker thread.
+    def _read_into(self, key: bytes, row: np.ndarray, heads: dict[int, tuple[bytes, bytes]],
+                   src: RecordSource) -> int | str | None:
+        """Read one record from ``src`` into ``row`` and verify it (in a worker thread for local files).
 
-        One ``readv`` scatters the file into its header, the output row itself and its trailer
-        (plus a spare byte that catches longer files); the header must equal the one this key's
-        record has (``heads[len(key)]`` around the key: one compare checks every field) and the
-        xxh3 of header and row must match the trailer. The padded header puts the payload at a
-        64-byte file offset, the fast case of the kernel's copy into the row. Anything else (a
-        record of another codec, a damaged or foreign file) is read whole into a per-thread buffer
-        and decoded by :func:`decode_record`, whose verdict counts. Returns the record's size, a
-        corruption reason, or None when absent.
+        ``none`` records are read in place: one scatter read fills the header, the row itself and
+        the trailer (plus a spare byte that catches longer files), and
+        :func:`~tierkv.record.none_parts_match` checks them against the header this key's record
+        must have (``heads[len(key)]`` around the key). Anything else (another codec, a damaged or
+        foreign record) is read whole and decoded by :func:`~tierkv.record.decode_record`, whose
+        verdict counts. Returns the record's size, a corruption reason, or None when absent.
         """
-        key, row, path = keys[i], np_out[i], self.path(keys[i])
-        fixed, pad = heads[len(key)]
-        expected = fixed + key + pad
-        head, tail = bytearray(len(expected)), bytearray(TRAILER_LEN + 1)
-        got = LocalDriver.read_scatter(path, [head, row, tail])
-        if got is None:
-            return None
-        if got == len(head) + row.size + TRAILER_LEN and head == expected:
-            digest = xxhash.xxh3_64(head)
-            digest.update(row)
-            if digest.intdigest() == int.from_bytes(tail[:TRAILER_LEN], "little"):
-                return got
-        buf = _read_buffer(row.size + RECORD_OVERHEAD + 1)
-        got = LocalDriver.read_upto(path, buf)
-        if got is None:
+        try:
+            if heads:
+                fixed, pad = heads[len(key)]
+                expected = fixed + key + pad
+                head, tail = bytearray(len(expected)), bytearray(TRAILER_LEN + 1)
+                got = src.readinto([head, row, tail])
+                if got is None:
+                    return None
+                if none_parts_match(expected, head, row, tail, got):
+                    return got
+            buf = _read_buffer(row.size + RECORD_OVERHEAD + 1)
+            data = src.read_all(len(buf))
+        except SpecialFile:
+            return "special"
+        if data is None:
             return None
         try:
-            decode_record(buf[:got], key=key, fingerprint=self.context.fingerprint,
-                          max_raw_bytes=row.size, out=row)
+            decode_record(data, key=key, fingerprint=self.context.fingerprint, max_raw_bytes=row.size,
+                          out=row)
         except CorruptRecord as exc:
             return exc.reason
-        return got
+        return len(data)
 
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         out8 = out.view(torch.uint8).reshape(len(keys), -1)
         block_bytes = out8.shape[1]
         np_out = out8.numpy()
-        datas: list[Any]
-        verdicts: list[Any]
-        if isinstance(self._driver, LocalDriver) and self.cfg.codec == "none" and keys:
+        heads: dict[int, tuple[bytes, bytes]] = {}
+        if self.cfg.codec == "none":
             # per key length: the header every none record of this tier's blocks has, around the key
-            heads = {}
             for k in keys:
                 if len(k) not in heads:
                     h = none_header(key=k, fingerprint=self.context.fingerprint, raw_len=block_bytes,
                                     elem_size=self.cfg.elem_size)
                     heads[len(k)] = (h[:FIXED_HEADER_LEN], h[FIXED_HEADER_LEN + len(k):])
-            one = functools.partial(self._get_local, keys, np_out, heads)
-            datas = list(await self._driver.map(one, len(keys)))
-            verdicts = ["" if isinstance(r, int) else r for r in datas]
-        else:
-            datas = await self.driver.read_many([self.path(k) for k in keys], block_bytes + RECORD_OVERHEAD)
-            if self.cfg.codec == "none" and np_out.nbytes <= INLINE_CODEC_BYTES:
-                verdicts = self._decode_into(keys, datas, np_out, block_bytes)
-            else:
-                verdicts = await self.driver.compute(self._decode_into, keys, datas, np_out, block_bytes)
+        paths = [self.path(k) for k in keys]
+
+        def job(i: int, src: RecordSource) -> int | str | None:
+            return self._read_into(keys[i], np_out[i], heads, src)
+
+        verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes)
         found, corrupt = [], []
         learned = False
-        for k, data, v in zip(keys, datas, verdicts, strict=True):
-            if v == "":
+        for path, k, v in zip(paths, keys, verdicts, strict=True):
+            if isinstance(v, int):
                 found.append(True)
-                if k in self._known:
-                    self._known.move_to_end(k)
-                elif isinstance(data, (bytes, int)):
+                if path in self._known:
+                    self._known.move_to_end(path)
+                else:
                     # written by another process (or before a restart, not scanned yet)
-                    self._remember(k, data if isinstance(data, int) else len(data))
+                    self._remember(path, v)
                     learned = True
                 continue
             found.append(False)
-            if isinstance(data, BaseException):
+            if isinstance(v, BaseException):
                 self.count("read_errors")
-                self._warn("reading a record", data)
-            elif data is None:
-                self._forget(k)
+                self._warn("reading a record", v)
+            elif v is None:
+                self._forget(path)
             else:
                 self.count("corrupt")
                 self.count(f"corrupt_{v}")
                 log.warning("corrupt record (%s) in %s: %s removed", v, self.describe(), k.hex())
-                corrupt.append(k)
+                corrupt.append(path)
         if corrupt:
-            for k in corrupt:
-                self._forget(k)
+            for path in corrupt:
+                self._forget(path)
             try:
-                await self.driver.delete_many([self.path(k) for k in corrupt])
+                await self.driver.delete_many(corrupt)
                 self.count("corrupt_removed", len(corrupt))
             except Exception as exc:
                 self._warn("removing corrupt records", exc)
@@ -619,27 +583,34 @@ class FsspecTier(Tier):
 
     async def delete(self, group: int, keys: Sequence[bytes]) -> None:
         """Remove records."""
-        for k in keys:
-            self._forget(k)
+        paths = [self.path(k) for k in keys]
+        for p in paths:
+            self._forget(p)
         try:
-            await self.driver.delete_many([self.path(k) for k in keys])
+            await self.driver.delete_many(paths)
         except Exception as exc:
             raise self._error("deleting records", exc) from None
 
     async def list_keys(self, group: int) -> list[bytes]:
         """Keys of every record of ``group`` in this namespace."""
         try:
-            entries = await self.driver.listdir(f"{self.ns_root}/g{group:08x}")
+            listing = classify(self.root, await self.driver.listdir(f"{self.ns_root}/g{group:08x}"))
+            keys, unnamed = [], []
+            for e, rel in listing.records.get(self.context.fingerprint, []):
+                key = key_from_name(rel.rpartition("/")[2])
+                if key is not None:
+                    keys.append(key)
+                else:
+                    unnamed.append(e.path)
+            # long keys are named by a digest: their key is in the record's header
+            for data in await self.driver.read_many(unnamed, 8192):
+                if isinstance(data, bytes):
+                    try:
+                        keys.append(read_header(data).key)
+                    except CorruptRecord:
+                        continue
         except Exception as exc:
             raise self._error("listing records", exc) from None
-        keys = []
-        for e in entries:
-            name = e.path.rpartition("/")[2]
-            if name.endswith(RECORD_SUFFIX) and TEMP_MARK not in name:
-                try:
-                    keys.append(bytes.fromhex(name[: -len(RECORD_SUFFIX)]))
-                except ValueError:
-                    continue
         return keys
 
     def used_bytes(self) -> int:

@@ -2,12 +2,8 @@
 
 Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsspec.open_driver`:
 os calls for local paths, async s3fs for S3, any other fsspec file system) and classify what they
-list, relative to the root::
-
-    <fingerprint>/layout.json                               namespace manifest
-    <fingerprint>/g<group:08x>/<kk>/<kk>/<key hex>.tkv      a record
-    ... .<name>.tkvtmp-<host>-<pid>-<random>                a temporary file of a writer
-    anything else                                           an "other" file (never touched)
+list with :mod:`tierkv.backends.namespace`, the one owner of the on-disk layout (namespace
+manifests, records, temporary files of writers, and other files, which are never touched).
 
 :func:`inspect_tier` reads only record headers (namespaces, groups, record counts, bytes on disk,
 raw bytes, codec ratio). :func:`verify_tier` checks every record completely
@@ -20,9 +16,7 @@ credentials.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,10 +24,19 @@ from typing import Any
 
 import anyio
 
-from tierkv.backends.fsio import TEMP_MARK, Driver, Entry, LocalDriver, temp_owner_alive
-from tierkv.backends.fsspec import RECORD_OVERHEAD, RECORD_SUFFIX, Redactor, open_driver, redact_url
+from tierkv.backends.fsio import Driver, Entry, LocalDriver, SpecialFile, temp_owner_alive
+from tierkv.backends.fsspec import RECORD_OVERHEAD, Redactor, open_driver, redact_url
+from tierkv.backends.namespace import (
+    RECORD_SUFFIX,
+    Listing,
+    Manifest,
+    classify,
+    group_of,
+    is_record_name,
+    key_relpath,
+    parse_manifest,
+)
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
-from tierkv.keys import key_relpath
 from tierkv.layout import Layout
 from tierkv.record import RecordHeader, read_header, verify_record
 
@@ -48,8 +51,6 @@ __all__ = [
     "verify_tier",
 ]
 
-_FP = re.compile(r"[0-9a-f]{32}")
-_GROUP_DIR = re.compile(r"g[0-9a-f]{8}")
 #: bytes read to parse a header: fixed part, a key of up to 1 KiB and a plane table of 255 planes
 HEADER_PROBE = 8192
 #: bound on a block's size where a namespace has no readable layout.json
@@ -216,66 +217,13 @@ class VerifyReport:
 
 
 # ---- listing ----------------------------------------------------------------------------------------
-@dataclass
-class _Listing:
-    records: dict[str, list[tuple[Entry, str]]] = field(default_factory=dict)  # fp -> (entry, rel)
-    manifests: dict[str, Entry] = field(default_factory=dict)
-    temps: list[tuple[Entry, str, str | None]] = field(default_factory=list)  # entry, rel, fp
-    other: list[tuple[str, str | None]] = field(default_factory=list)  # rel, fp
-
-    def fingerprints(self) -> list[str]:
-        fps = set(self.records) | set(self.manifests)
-        fps.update(fp for _, _, fp in self.temps if fp)
-        fps.update(fp for _, fp in self.other if fp)
-        return sorted(fps)
-
-
-def _relative(root: str, path: str) -> str:
-    root = root.strip("/")
-    path = path.strip("/")
-    return path[len(root) + 1:] if root and path.startswith(root + "/") else path
-
-
-def _classify(root: str, entries: list[Entry]) -> _Listing:
-    out = _Listing()
-    for e in entries:
-        rel = _relative(root, e.path)
-        parts = rel.split("/")
-        name = parts[-1]
-        fp = parts[0] if len(parts) > 1 and _FP.fullmatch(parts[0]) else None
-        if TEMP_MARK in name:
-            out.temps.append((e, rel, fp))
-        elif fp and len(parts) == 2 and name == "layout.json":
-            out.manifests[fp] = e
-        elif fp and len(parts) == 5 and name.endswith(RECORD_SUFFIX) and _GROUP_DIR.fullmatch(parts[1]):
-            out.records.setdefault(fp, []).append((e, rel))
-        else:
-            out.other.append((rel, fp))
-    return out
-
-
-@dataclass
-class _Manifest:
-    state: str = "missing"
-    namespace: str | None = None
-    layout_json: dict[str, Any] | None = None
-    layout: Layout | None = None
-
-
-async def _manifest(driver: Driver, entry: Entry | None, fp: str) -> _Manifest:
+async def _manifest(driver: Driver, entry: Entry | None, fp: str) -> Manifest:
     if entry is None:
-        return _Manifest()
+        return Manifest()
     data = (await driver.read_many([entry.path], 1 << 20))[0]
-    if not isinstance(data, bytes):
-        return _Manifest(state="missing" if data is None else "unreadable")
-    try:
-        doc = json.loads(data)
-        namespace = str(doc["namespace"])
-        layout = Layout.model_validate(doc["layout"])
-    except Exception:
-        return _Manifest(state="unreadable")
-    state = "ok" if layout.fingerprint(namespace) == fp else "mismatch"
-    return _Manifest(state=state, namespace=namespace, layout_json=doc["layout"], layout=layout)
+    if isinstance(data, BaseException):
+        return Manifest(state="unreadable")
+    return parse_manifest(data, fp)
 
 
 async def _open(url: str, storage_options: dict[str, Any] | None, concurrency: int,
@@ -293,18 +241,14 @@ async def _open(url: str, storage_options: dict[str, Any] | None, concurrency: i
         raise BackendError(f"cannot open {redact_url(url)}: {redact.error(exc)}") from None
 
 
-async def _list(driver: Driver, root: str, url: str, redact: Redactor) -> _Listing:
+async def _list(driver: Driver, root: str, url: str, redact: Redactor) -> Listing:
     if isinstance(driver, LocalDriver) and not os.path.isdir(root):
         raise BackendError(f"{redact_url(url)}: no such directory")
     try:
         entries = await driver.listdir(root)
     except Exception as exc:
         raise BackendError(f"cannot list {redact_url(url)}: {redact.error(exc)}") from None
-    return _classify(root, entries)
-
-
-def _group_of(rel: str) -> int:
-    return int(rel.split("/")[1][1:], 16)
+    return classify(root, entries)
 
 
 # ---- inspect ----------------------------------------------------------------------------------------
@@ -337,7 +281,7 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
                 chunk = records[i:i + BATCH * 4]
                 headers = await _headers(driver, [e for e, _ in chunk])
                 for (e, rel), header in zip(chunk, headers, strict=True):
-                    g = _group_of(rel)
+                    g = group_of(rel)
                     gr = groups.setdefault(g, GroupReport(group=g))
                     gr.records += 1
                     gr.bytes_on_disk += e.size
@@ -379,25 +323,24 @@ async def _headers(driver: Driver, entries: list[Entry]) -> list[RecordHeader | 
 # ---- verify -----------------------------------------------------------------------------------------
 def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int) -> Problem | None:
     """Every check of one record against its path and layout; None when it is sound."""
-    parts = rel.split("/")
-    stem = parts[-1][: -len(RECORD_SUFFIX)]
-    try:
-        key = bytes.fromhex(stem)
-        expected_rel = f"{fp}/{key_relpath(key)}{RECORD_SUFFIX}"
-    except ValueError:
+    if not is_record_name(rel.rpartition("/")[2]):
         return Problem(rel, "name", "the file name is not a key")
     try:
         header = verify_record(data, max_raw_bytes=bound)
     except CorruptRecord as exc:
         return Problem(rel, exc.reason, str(exc))
-    if header.key != key:
-        return Problem(rel, "key", f"record holds key {header.key.hex()}")
+    try:
+        expected_rel = f"{fp}/{key_relpath(header.key)}{RECORD_SUFFIX}"
+    except ValueError:
+        return Problem(rel, "key", f"record holds key {header.key.hex()}, not a tierkv key")
     if header.fingerprint != fp:
         return Problem(rel, "fingerprint", f"record fingerprint {header.fingerprint}")
+    if rel.rpartition("/")[2] != expected_rel.rpartition("/")[2]:
+        return Problem(rel, "key", f"record holds key {header.key.hex()}")
     if rel != expected_rel:
         return Problem(rel, "path", f"the key belongs at {expected_rel}")
     if layout is not None:
-        g = _group_of(rel)
+        g = group_of(rel)
         if g >= len(layout.groups) or layout.groups[g].kind == "scratch":
             return Problem(rel, "group", f"group {g} is not a prefix-cacheable group of the layout")
         if header.raw_len != layout.groups[g].block_bytes:
@@ -448,7 +391,7 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                 chunk = records[i:i + BATCH]
                 bounds = []
                 for _, rel in chunk:
-                    g = _group_of(rel)
+                    g = group_of(rel)
                     known = layout is not None and g < len(layout.groups)
                     bounds.append(layout.groups[g].block_bytes if known and layout else max_block_bytes)
                 datas = await driver.read_many([e.path for e, _ in chunk],
@@ -457,6 +400,11 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                 for (_, rel), data, bound in zip(chunk, datas, bounds, strict=True):
                     if data is None:
                         report.vanished += 1
+                    elif isinstance(data, SpecialFile):
+                        report.checked += 1
+                        problem = Problem(rel, "special", data.strerror or "not a regular file")
+                        report.corrupt.append(problem)
+                        to_delete.append((f"{base}/{rel}", problem))
                     elif isinstance(data, BaseException):
                         report.errors.append(Problem(rel, "unreadable", redact.error(data)))
                     else:
