@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import InvalidArgument, LayoutError
 from tierkv.backends.namespace import key_relpath
+from tierkv.errors import InvalidArgument, LayoutError
 from tierkv.keys import check_hashes, key_group, make_key, split_key
 from tierkv.layout import GroupSpec, Layout
 

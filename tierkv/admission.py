@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tierkv.errors import InvalidArgument
 from tierkv.pool import SlotPool
@@ -43,6 +43,13 @@ class Request:
     #: the hashes of its last ``lookup_prefix`` (already checked) and the keys made from them
     last_hashes: list[bytes] | None = None
     last_keys: dict[int, list[bytes]] = field(default_factory=dict)
+    #: its last PENDING ``lookup_prefix`` answer, kept while it stands: until the blocks its own
+    #: promotions still have to land (``waiting``) have landed or one of them failed (``stale``),
+    #: or, when it waited for presence probes, until the gateways learned something (``version``)
+    last_answer: Any = None
+    waiting: int = 0
+    stale: bool = False
+    answer_version: int | None = None
 
     @property
     def named(self) -> bool:
@@ -58,6 +65,16 @@ class Promotion:
     tier: int
     keys: list[bytes]
     slots: list[int]
+    #: the request that asked for them (None: a call without ``request_id``)
+    request: Request | None = None
+
+    def landed(self, ok: list[bool]) -> None:
+        """Some of the blocks landed (or failed): the asking request waits for fewer."""
+        req = self.request
+        if req is not None:
+            req.waiting -= len(ok)
+            if not all(ok):
+                req.stale = True
 
 
 class Admission:
@@ -103,14 +120,24 @@ class Admission:
         req.pins[key] = group
 
     def pin_many(self, req: Request, group: int, keys: list[bytes], slots: list[int]) -> None:
-        """:meth:`pin` of many keys of one group (the caller checked they are resident)."""
+        """:meth:`pin` of many keys of one group (the caller checked they are resident).
+
+        Pins do not refresh recency: a pinned block cannot be evicted, and :meth:`unpin` refreshes
+        it when the request is done with it.
+        """
         pins = req.pins
-        pool = self.pools[group]
-        for key, s in zip(keys, slots, strict=True):
-            if key not in pins:
-                pool.pin(s)
-                pool.touch(key)
-                pins[key] = group
+        if not pins:
+            self.pools[group].pin_many(slots)
+            req.pins = dict.fromkeys(keys, group)
+            return
+        new = [i for i, k in enumerate(keys) if k not in pins]
+        if not new:
+            return
+        if len(new) < len(keys):
+            keys = [keys[i] for i in new]
+            slots = [slots[i] for i in new]
+        self.pools[group].pin_many(slots)
+        pins.update(dict.fromkeys(keys, group))
 
     def unpin(self, req: Request, key: bytes) -> None:
         """``req`` no longer needs ``key``."""
@@ -241,8 +268,10 @@ class Admission:
                 self.pin(req, g, key, s)
                 p = by_tier.get(tier)
                 if p is None:
-                    p = by_tier[tier] = Promotion(g, tier, [], [])
+                    p = by_tier[tier] = Promotion(g, tier, [], [], req if req.named else None)
                 p.keys.append(key)
                 p.slots.append(s)
             out += by_tier.values()
+        if req.named:
+            req.waiting += sum(len(p.keys) for p in out)
         return out

@@ -402,9 +402,9 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                         report.vanished += 1
                     elif isinstance(data, SpecialFile):
                         report.checked += 1
-                        problem = Problem(rel, "special", data.strerror or "not a regular file")
-                        report.corrupt.append(problem)
-                        to_delete.append((f"{base}/{rel}", problem))
+                        special = Problem(rel, "special", data.strerror or "not a regular file")
+                        report.corrupt.append(special)
+                        to_delete.append((f"{base}/{rel}", special))
                     elif isinstance(data, BaseException):
                         report.errors.append(Problem(rel, "unreadable", redact.error(data)))
                     else:

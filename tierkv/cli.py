@@ -95,8 +95,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tierkv.errors import TierKVError
     from tierkv.audit import inspect_tier
+    from tierkv.errors import TierKVError
 
     try:
         report = anyio.run(lambda: inspect_tier(args.url, _storage_options(args.storage_option),
@@ -133,8 +133,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tierkv.errors import TierKVError
     from tierkv.audit import verify_tier
+    from tierkv.errors import TierKVError
 
     console = Console(stderr=True)
     try:

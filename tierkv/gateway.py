@@ -43,7 +43,7 @@ PRESENCE_CACHE_ENTRIES = 1 << 20
 DIRECT_RUN_BYTES = 1 << 20
 #: a load is cut into batches of about this many bytes, so blocks land (and become usable) as
 #: they arrive and enough reads are in flight to keep the tier busy
-LOAD_BATCH_BYTES = 16 << 20
+LOAD_BATCH_BYTES = 64 << 20
 
 OnBatch = Callable[[list[int], list[bool]], None]
 
@@ -169,6 +169,8 @@ class TierGateway:
         self._presence: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         #: keys whose presence is being probed now
         self.probing: set[bytes] = set()
+        #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
+        self.version = 0
 
     # ---- presence -------------------------------------------------------------------------------
     @property
@@ -187,12 +189,38 @@ class TierGateway:
             return None if ans is None else ans[0]
         return None if entry is None else entry[0]
 
+    def presence_many(self, group: int, keys: list[bytes], now: float) -> list[bool | None]:
+        """:meth:`presence` of many keys."""
+        cache = self._presence
+        get = cache.get
+        out: list[bool | None] = []
+        if self.fast:
+            ans = self.tier.contains_nowait(group, keys)
+            for j, k in enumerate(keys):
+                e = get(k)
+                if e is not None and e[1] >= now and not e[0]:
+                    out.append(False)  # a read of it failed just now
+                else:
+                    out.append(None if ans is None else ans[j])
+            return out
+        for k in keys:
+            e = get(k)
+            if e is None:
+                out.append(None)
+            elif e[1] < now:
+                del cache[k]
+                out.append(None)
+            else:
+                out.append(e[0])
+        return out
+
     def note(self, key: bytes, present: bool, now: float | None = None) -> None:
         """Remember what a probe, a store or a load told about ``key``.
 
         A tier that answers presence from memory needs only the negative answers: a read that
         failed keeps the key a MISS for ``negative_ttl_s`` instead of promoting it again and again.
         """
+        self.version += 1
         if self.fast and present:
             self._presence.pop(key, None)
             return
@@ -205,6 +233,7 @@ class TierGateway:
 
     def forget(self, key: bytes) -> None:
         """Drop a cached presence answer."""
+        self.version += 1
         self._presence.pop(key, None)
 
     # ---- stores ---------------------------------------------------------------------------------

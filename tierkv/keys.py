@@ -46,9 +46,12 @@ def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     if not isinstance(hashes, Sequence):
         raise InvalidArgument(
             f"hashes must be a sequence (list or tuple) of bytes, got {type(hashes).__name__}")
-    if (set(map(type, hashes)) <= {bytes} and len(set(hashes)) == len(hashes)
-            and (not hashes or (min(map(len, hashes)) > 0 and max(map(len, hashes)) <= MAX_HASH_BYTES))):
-        return hashes if type(hashes) is list else list(hashes)
+    if not hashes:
+        return []
+    if set(map(type, hashes)) == {bytes}:
+        lengths = set(map(len, hashes))
+        if min(lengths) > 0 and max(lengths) <= MAX_HASH_BYTES and len(set(hashes)) == len(hashes):
+            return hashes if type(hashes) is list else list(hashes)
     seen: set[bytes] = set()
     out = []
     for i, h in enumerate(hashes):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.admission import Admission, Promotion, Request, Want
@@ -18,6 +18,7 @@ from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.pool import SlotPool, SlotState
+from tierkv.prefix import needed_blocks
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Resolver", "Work"]
 
@@ -65,9 +66,18 @@ class Work:
     probes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
 
 
-# a block's status, as small ints: resident in the primary, unknown (a probe or a cascade may bring
-# it), absent everywhere, or held by lower tier ``p`` (``_TIER + p``)
+# a block's status, as small ints: resident in the primary, unknown (a cascade from a staged copy
+# may bring it), absent everywhere, held by lower tier ``p`` (``_TIER + p``), or not known either
+# way on lower tier ``p``, the first that may hold it (``_MAYBE + p``: a probe is on its way)
 _READY, _WRITING, _UNKNOWN, _ABSENT, _TIER = 0, 1, 2, 3, 4
+_MAYBE = 1 << 16
+
+
+def _known(st: int) -> bool:
+    """Resident, or held by a known lower tier."""
+    return st < _UNKNOWN or _TIER <= st < _MAYBE
+#: a prefix's blocks are located in chunks of this many, up to the first one found nowhere
+_CHUNK = 256
 
 
 class Resolver:
@@ -89,21 +99,24 @@ class Resolver:
     # ---- where a block is -----------------------------------------------------------------------
     def locate(self, group: int, key: bytes, now: float, work: Work | None) -> int:
         """Status of a block not resident in the primary; probes what is unknown into ``work``."""
-        unknown = key in self.staged
+        maybe = -1
         for p, gw in enumerate(self.gateways):
             known = gw.presence(group, key, now)
             if known is True:
                 return _TIER + p
             if known is None:
-                unknown = True
+                if maybe < 0:
+                    maybe = p
                 if work is not None and key not in gw.probing:
                     work.probes.setdefault((p, group), []).append(key)
-        return _UNKNOWN if unknown else _ABSENT
+        if key in self.staged:
+            return _UNKNOWN
+        return _MAYBE + maybe if maybe >= 0 else _ABSENT
 
     def held_by(self, group: int, key: bytes) -> int | None:
         """Position of a lower tier known to hold ``key`` now, or None (for the admission queue)."""
         st = self.locate(group, key, time.monotonic(), None)
-        return st - _TIER if st >= _TIER else None
+        return st - _TIER if _TIER <= st < _MAYBE else None
 
     def _status(self, group: int, key: bytes, now: float, work: Work) -> int:
         pool = self.pools[group]
@@ -132,12 +145,12 @@ class Resolver:
                 admission.pin(req, group, k, s)
                 continue
             st = self.locate(group, k, now, work)
-            if st >= _TIER:
+            if _TIER <= st < _MAYBE:
                 out.append(KeyState.PROMOTING)
                 promos.append((k, st - _TIER))
                 promo_pos.append(i)
             else:
-                out.append(KeyState.PROBING if st == _UNKNOWN else KeyState.MISS)
+                out.append(KeyState.MISS if st == _ABSENT else KeyState.PROBING)
         if promos:
             room = max(0, pool.num_slots - admission.pinned_in(req, group))
             for i in promo_pos[room:]:
@@ -153,12 +166,65 @@ class Resolver:
         return out, work
 
     # ---- prefixes -------------------------------------------------------------------------------
+    def _version(self) -> int:
+        return sum(gw.version for gw in self.gateways)
+
     def prefix(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
         """The longest usable prefix over every prefix-cacheable group (docs/design.md)."""
         if req.last_hashes is None or req.last_hashes != hashes:
             req.last_hashes = list(check_hashes(hashes))
             req.last_keys = {}
-        hashes = req.last_hashes
+            req.last_answer = None
+        elif req.last_answer is not None:
+            # the same prefix, asked again while what it waits for is still on its way: its own
+            # promotions stream in (none failed; its blocks are pinned), or the presence probes it
+            # waits for have not answered; the PENDING answer stands, at no cost
+            if req.waiting > 0 and not req.stale:
+                return req.last_answer, Work()
+            if req.waiting == 0 and req.answer_version == self._version():
+                return req.last_answer, Work()
+        answer, work, probing = self._prefix(req.last_hashes, req)
+        req.last_answer = None
+        req.answer_version = None
+        if req.named and answer.state is Lookup.PENDING:
+            if req.waiting > 0:
+                req.last_answer = answer
+            elif probing and req.rid not in self.admission.queue:
+                req.last_answer = answer
+                req.answer_version = self._version()
+        req.stale = False
+        return answer, work
+
+    def _statuses(self, group: int, keys: list[bytes], slots: list[int | None], now: float,
+                  work: Work) -> list[int]:
+        """The status of each key (``slots``: its primary slot or None); probes go into ``work``."""
+        state, ready = self.pools[group].state, SlotState.READY
+        out = [-1 if s is None else _READY if state[s] is ready else _WRITING for s in slots]
+        todo = [i for i, st in enumerate(out) if st < 0]
+        maybe: dict[int, int] = {}
+        for p, gw in enumerate(self.gateways):
+            if not todo:
+                break
+            present = gw.presence_many(group, [keys[i] for i in todo], now)
+            later = []
+            probing = gw.probing
+            for i, pr in zip(todo, present, strict=True):
+                if pr is True:
+                    out[i] = _TIER + p
+                    continue
+                if pr is None:
+                    maybe.setdefault(i, p)
+                    if keys[i] not in probing:
+                        work.probes.setdefault((p, group), []).append(keys[i])
+                later.append(i)
+            todo = later
+        staged = self.staged
+        for i in todo:
+            out[i] = _UNKNOWN if keys[i] in staged else _MAYBE + maybe[i] if i in maybe else _ABSENT
+        return out
+
+    def _prefix(self, hashes: list[bytes], req: Request) -> tuple[PrefixLookup, Work, bool]:
+        """The answer, the work to start, and whether it waits for presence probes."""
         n = len(hashes)
         now = time.monotonic()
         work = Work()
@@ -181,37 +247,50 @@ class Resolver:
                 st = statuses[(g, i)] = self._status(g, key(g, i), now, work)
             return st
 
-        # full groups: the leading run of resident blocks in one pass, then block by block
+        # full groups: the leading run of resident blocks in one pass, then the rest in chunks
         known = maybe = n
         resident: dict[int, list[int | None]] = {}
         for g in self._full:
             upper = min(n, self._capacity[g])
-            slots = resident[g] = list(map(self.pools[g].index.get, keys_of(g)[:upper]))
+            ks = keys_of(g)
+            slots = resident[g] = list(map(self.pools[g].index.get, ks[:upper]))
             try:
                 run = slots.index(None)
             except ValueError:
                 run = upper
-            k_known = k_maybe = run
-            i = run
+            k_known = i = run
             while i < upper:
-                st = status(g, i)
-                if st == _ABSENT:
+                stop = min(upper, i + _CHUNK)
+                chunk = self._statuses(g, ks[i:stop], slots[i:stop], now, work)
+                for j, st in enumerate(chunk):
+                    statuses[(g, i + j)] = st
+                absent = chunk.index(_ABSENT) if _ABSENT in chunk else len(chunk)
+                if k_known == i:
+                    k_known = i + next((j for j, st in enumerate(chunk[:absent]) if not _known(st)), absent)
+                i += absent
+                if absent < len(chunk):
                     break
-                if k_known == i and st != _UNKNOWN:
-                    k_known = i + 1
-                i += 1
-            k_maybe = i
             known = min(known, k_known)
-            maybe = min(maybe, k_maybe)
+            maybe = min(maybe, i)
         if self._other:
-            known = self._longest(known, lambda g, i: status(g, i) != _UNKNOWN and status(g, i) != _ABSENT)
+            known = self._longest(known, lambda g, i: _known(status(g, i)))
             maybe = self._longest(maybe, lambda g, i: status(g, i) != _ABSENT)
+        probing = bool(work.probes) or any(not _known(st) for st in statuses.values())
+        guess = maybe > known and self.admission.mode == "queue" and self._may_guess(maybe, status)
+        if guess:
+            # every block of the longer prefix fits in free slots: promote the ones whose presence
+            # is still being probed right away (the read is the probe; one that finds nothing
+            # frees its slot), instead of waiting for the probes and then for the reads
+            known = maybe
+            work.probes.clear()
         if known == 0:
-            return PrefixLookup(0, Lookup.PENDING if maybe else Lookup.MISS), work
+            return PrefixLookup(0, Lookup.PENDING if maybe else Lookup.MISS), work, probing
 
         all_ready = True
         wants: dict[int, list[Want]] = {}
         admission = self.admission
+        runs: list[tuple[int, list[bytes], list[int]]] = []
+        pin: list[tuple[int, bytes, int]] = []
         for g in self._full:
             pool = self.pools[g]
             slots = resident[g]
@@ -219,33 +298,56 @@ class Resolver:
                 run = slots.index(None, 0, known)
             except ValueError:
                 run = known
-            head = slots[:run]
+            head: list[int] = slots[:run]  # type: ignore[assignment]
             if run:
-                admission.pin_many(req, g, keys[g][:run], head)  # type: ignore[arg-type]
-                if pool.writing and any(pool.state[s] is not SlotState.READY for s in head):  # type: ignore[index]
+                runs.append((g, keys[g][:run], head))
+                if pool.writing and any(pool.state[s] is not SlotState.READY for s in head):
                     all_ready = False
             for i in range(run, known):
-                all_ready = self._claim(g, i, key(g, i), status(g, i), req, wants) and all_ready
+                all_ready = self._claim(g, key(g, i), status(g, i), pin, wants) and all_ready
         for g in self._other:
             for i in self.layout.groups[g].blocks_needed(known):
-                all_ready = self._claim(g, i, key(g, i), status(g, i), req, wants) and all_ready
+                all_ready = self._claim(g, key(g, i), status(g, i), pin, wants) and all_ready
+        if req.named or wants:
+            # pins before admission, so its evictions never take a block this call answers for (a
+            # call without request_id that starts nothing needs none: nothing can evict meanwhile)
+            for g, ks, ss in runs:
+                admission.pin_many(req, g, ks, ss)
+            for g, k, s in pin:
+                admission.pin(req, g, k, s)
         if wants:
             started = admission.admit(req, wants)
             if started is None and admission.mode == "naive":
-                return PrefixLookup(0, Lookup.MISS), work
+                return PrefixLookup(0, Lookup.MISS), work, probing
             if started:
                 work.promotions += started
         state = Lookup.HIT if all_ready and maybe == known else Lookup.PENDING
-        return PrefixLookup(known, state), work
+        return PrefixLookup(known, state), work, probing
 
-    def _claim(self, g: int, i: int, key: bytes, st: int, req: Request, wants: dict[int, list[Want]]) -> bool:
-        """Pin a resident block for ``req`` or add a lower tier's block to its wants; True if READY."""
+    def _may_guess(self, k: int, status: Callable[[int, int], int]) -> bool:
+        """Whether the blocks a prefix of ``k`` needs that are not resident all sit on lower tiers
+        (known or maybe) and fit in each pool's free slots (no eviction for a guess)."""
+        for g, rng in needed_blocks(self.layout, k).items():
+            missing = 0
+            for i in rng:
+                st = status(g, i)
+                if st == _UNKNOWN or st == _ABSENT:
+                    return False
+                if st >= _TIER:
+                    missing += 1
+            if missing > self.pools[g].free_count:
+                return False
+        return True
+
+    def _claim(self, g: int, key: bytes, st: int, pin: list[tuple[int, bytes, int]],
+               wants: dict[int, list[Want]]) -> bool:
+        """Note a resident block to pin, or add a lower tier's block to the wants; True if READY."""
         if st >= _TIER:
-            wants.setdefault(g, []).append((key, st - _TIER))
+            wants.setdefault(g, []).append((key, (st - _MAYBE) if st >= _MAYBE else (st - _TIER)))
             return False
         s = self.pools[g].index.get(key)
         if s is not None:
-            self.admission.pin(req, g, key, s)
+            pin.append((g, key, s))
         return st == _READY
 
     def _longest(self, upper: int, has: object) -> int:

@@ -356,6 +356,16 @@ class SlotPool:
             self._evictable -= 1
         self.pins[s] += 1
 
+    def pin_many(self, slots: Sequence[int]) -> None:
+        """:meth:`pin` of many slots at once."""
+        pins, state, ready = self.pins, self.state, SlotState.READY
+        taken = 0
+        for s in slots:
+            if pins[s] == 0 and state[s] is ready:
+                taken += 1
+            pins[s] += 1
+        self._evictable -= taken
+
     def unpin(self, s: int) -> None:
         """One user of slot ``s`` is done."""
         if self.pins[s] > 0:

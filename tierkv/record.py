@@ -31,7 +31,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -414,12 +414,12 @@ def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 
                        raw_len) + key + bytes(header_len - FIXED_HEADER_LEN - len(key))
 
 
-def none_parts_match(expected_header: bytes, head: bytes | bytearray,
-                     payload: memoryview | bytes | npt.NDArray[np.uint8], tail: bytes | bytearray,
-                     nread: int) -> bool:
+def none_parts_match(expected_header: bytes, head: bytes | bytearray, payload: Any,
+                     tail: bytes | bytearray, nread: int) -> bool:
     """Whether a ``none`` record read in pieces (header, payload, trailer) is exactly the one expected.
 
     ``expected_header`` is :func:`none_header` of the key, fingerprint and size the reader wants;
+    ``payload`` (any buffer: bytes, a memoryview, a numpy row) received the block;
     ``head`` and ``tail`` received the record's first and last bytes (``tail`` one spare byte
     longer than the trailer, to catch longer files) and ``nread`` is how many bytes the read
     returned. One comparison checks every header field; then the xxh3 checksum of header and

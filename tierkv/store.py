@@ -16,10 +16,11 @@ Engines that copy blocks themselves use :attr:`TieredStore.engine`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -341,6 +342,7 @@ class TieredStore:
         pool = self._pools[p.group]
 
         def landed(positions: list[int], ok: list[bool]) -> None:
+            p.landed(ok)
             good = [p.slots[i] for i, f in zip(positions, ok, strict=True) if f]
             pool.mark_ready(good)
             gw.stats.promotions += len(good)
@@ -488,6 +490,68 @@ class TieredStore:
             return
         pool.write(got[0], _rows(src, [rows[j] for j in take]))
         pool.mark_ready(got[0])
+
+    @contextlib.asynccontextmanager
+    async def borrow(self, group: int, hashes: Sequence[bytes],
+                     request_id: str | None = None) -> AsyncIterator[torch.Tensor]:
+        """Lend the primary's rows of resident blocks, without copying them out.
+
+        ``async with store.borrow(g, hashes) as rows:`` gives ``rows``, a ``[len(hashes),
+        block_bytes]`` uint8 tensor: a view of the pool itself when the blocks sit in consecutive
+        slots (after a promotion they usually do), else one gathered copy. The blocks stay pinned
+        (neither evicted nor rewritten) until the block exits; PENDING blocks are waited for.
+        Raises :class:`BlockMissing` when a block is not in the primary (``lookup_prefix`` brings
+        blocks from lower tiers; ``get`` reads them directly). With ``request_id``, that request's
+        pins on these blocks are dropped on exit too.
+        """
+        with self._lock:
+            self._check_open()
+            pool, keys = self._keys(group, hashes)
+            req = self._admission.request(request_id)
+            lender = self._admission.anonymous()
+        try:
+            while True:
+                with self._lock:
+                    missing, waits = [], []
+                    slots: list[int] = []
+                    for i, k in enumerate(keys):
+                        s = pool.index.get(k)
+                        if s is None:
+                            missing.append(i)
+                        elif pool.state[s] is not SlotState.READY:
+                            waits.append(self._promoting.get(k) or self.engine.storing(k))
+                        else:
+                            slots.append(s)
+                    if not missing and not waits:
+                        for k, s in zip(keys, slots, strict=True):
+                            self._admission.pin(lender, group, k, s)
+                        break
+                if missing:
+                    raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are not "
+                                       f"in the primary", missing=missing)
+                ev = next((e for e in waits if e is not None), None)
+                if ev is None:
+                    await anyio.sleep(0)
+                else:
+                    await ev.wait()
+            run = contiguous_run(slots)
+            if run is not None:
+                rows = pool.tensor[run[0]:run[1]]
+            else:
+                rows = pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.int64, device=pool.device))
+            with self._lock:
+                for k in keys:
+                    pool.touch(k)
+                self._primary_stats.hits += len(keys)
+                self._primary_stats.bytes_read += len(keys) * pool.block_bytes
+            yield rows
+        finally:
+            with self._lock:
+                self._admission.end_call(lender)
+                if req is not None:
+                    for k in keys:
+                        self._admission.unpin(req, k)
+                self._changed()
 
     # ---- state ----------------------------------------------------------------------------------
     @locked

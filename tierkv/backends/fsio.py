@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 __all__ = ["AsyncDriver", "BytesSource", "Driver", "Entry", "LocalDriver", "LocalSource", "RecordSource",
-           "SpecialFile", "SyncDriver", "TEMP_MARK", "temp_owner_alive"]
+           "SpecialFile", "SyncDriver", "TEMP_MARK", "WouldBlock", "temp_owner_alive"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,69 +63,101 @@ class RecordSource(Protocol):
     def readinto(self, bufs: list[Any]) -> int | None:
         """Fill ``bufs`` in order from the start of the record; bytes read, None when absent."""
 
-    def read_all(self, limit: int) -> bytes | None:
-        """At most ``limit`` bytes of the record; None when absent."""
+    def read_all(self, buf: memoryview) -> memoryview | None:
+        """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
 
 
-def _open_regular(path: str) -> int | None:
-    """A read-only descriptor of the regular file at ``path``; None when absent.
+class WouldBlock(Exception):
+    """A read would wait for the device: the record is not (all) in the page cache."""
 
-    Never blocks (``O_NONBLOCK``: a FIFO opens at once) and never follows a symlink; anything but
-    a regular file raises :class:`SpecialFile`.
+
+#: ``preadv2`` flag: fail instead of waiting for the device (Linux; None where unknown)
+RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+#: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
+_NOT_REGULAR = (errno.ESPIPE, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EAGAIN)
+
+
+def _open_record(path: str) -> int | None:
+    """A read-only descriptor of ``path``; None when absent.
+
+    ``O_NONBLOCK`` makes a FIFO or a device open (and read) at once instead of blocking, and a
+    symlink is never followed: anything but a regular file ends in :class:`SpecialFile`, here or
+    at the first read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise SpecialFile(errno.ELOOP, "a symlink where a record should be", path) from None
-        if exc.errno == errno.EISDIR:
-            raise SpecialFile(errno.EISDIR, "a directory where a record should be", path) from None
+        if exc.errno in _NOT_REGULAR:
+            raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
         raise
-    try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
-    return fd
 
 
 class LocalSource:
-    """A record in a local (or mounted) file."""
+    """A record in a local (or mounted) file.
 
-    def __init__(self, path: str) -> None:
+    With ``nowait``, reads take only what the page cache holds and raise :class:`WouldBlock`
+    when the device would have to be waited for (the driver then retries on a thread that may
+    block), so page-cache hits never queue behind reads of cold records.
+    """
+
+    def __init__(self, path: str, nowait: bool = False) -> None:
         self.path = path
+        self.nowait = nowait and RWF_NOWAIT is not None
+
+    def _read(self, fd: int, bufs: list[Any]) -> int:
+        try:
+            if not self.nowait or RWF_NOWAIT is None:
+                return os.readv(fd, bufs)
+            try:
+                got = os.preadv(fd, bufs, 0, RWF_NOWAIT)
+            except BlockingIOError:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise WouldBlock from None
+                raise
+            if got < sum(memoryview(b).nbytes for b in bufs):
+                # short: the file ends here, or the page cache holds no more of it
+                try:
+                    if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):
+                        raise WouldBlock
+                except BlockingIOError:
+                    raise WouldBlock from None
+            return got
+        except OSError as exc:
+            if exc.errno in _NOT_REGULAR:
+                raise SpecialFile(exc.errno, "not a regular file where a record should be",
+                                  self.path) from None
+            raise
 
     def readinto(self, bufs: list[Any]) -> int | None:
-        """One ``readv`` into ``bufs``. Regular files read short only at their end, so a result
-        equal to the total length of ``bufs`` means the file is at least that long."""
-        fd = _open_regular(self.path)
+        """One read into ``bufs``. Regular files read short only at their end, so a result equal
+        to the total length of ``bufs`` means the file is at least that long."""
+        fd = _open_record(self.path)
         if fd is None:
             return None
         try:
-            return os.readv(fd, bufs)
+            return self._read(fd, bufs)
         finally:
             os.close(fd)
 
-    def read_all(self, limit: int) -> bytes | None:
-        """Up to ``limit`` bytes."""
-        fd = _open_regular(self.path)
+    def read_all(self, buf: memoryview) -> memoryview | None:
+        """The record's bytes (at most ``len(buf)``), read into ``buf``; None when absent."""
+        fd = _open_record(self.path)
         if fd is None:
             return None
         try:
-            chunks = []
-            left = limit
-            while left > 0:
-                got = os.read(fd, min(left, 1 << 24))
-                if not got:
+            got = self._read(fd, [buf])
+            while not self.nowait and 0 < got < len(buf):  # regular files read short only at
+                more = os.readv(fd, [buf[got:]])            # the end, but be sure
+                if not more:
                     break
-                chunks.append(got)
-                left -= len(got)
-            return b"".join(chunks)
+                got += more
+            return buf[:got]
         finally:
             os.close(fd)
 
@@ -151,9 +183,9 @@ class BytesSource:
                 break
         return done
 
-    def read_all(self, limit: int) -> bytes | None:
-        """The bytes (at most ``limit``)."""
-        return None if self.data is None else self.data[:limit]
+    def read_all(self, buf: memoryview) -> memoryview | None:
+        """The bytes (at most ``len(buf)``), without a copy."""
+        return None if self.data is None else memoryview(self.data)[:len(buf)]
 
 
 def temp_name(path: str) -> str:
@@ -281,25 +313,29 @@ class LocalDriver(Driver):
     jobs run still waits for them: they write into the caller's buffers.
     """
 
-    def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool) -> None:
+    def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16) -> None:
         super().__init__(limiter)
         self.threads = threads
+        self.depth = max(depth, threads)
         self.fsync = fsync
         self._dirs: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
+        #: reads of records not in the page cache: they wait for the device, many at once
+        self._cold: ThreadPoolExecutor | None = None
         self._calls = 0  # map() calls in flight
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads."""
         return (await self._run_all([functools.partial(fn, *args)]))[0]
 
-    async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None) -> list[T]:
+    async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None,
+                       pool: ThreadPoolExecutor | None = None) -> list[T]:
         """Run ``calls`` on the pool; their results in order, once every one has ended.
 
         On cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
         those running to end early, and this waits for them before it raises.
         """
-        jobs = [self._pool.submit(c) for c in calls]
+        jobs = [(pool or self._pool).submit(c) for c in calls]
         try:
             return [await asyncio.wrap_future(j) for j in jobs]
         except BaseException:
@@ -329,8 +365,8 @@ class LocalDriver(Driver):
                     return
                 try:
                     results[i] = fn(i)
-                except OSError as exc:
-                    results[i] = exc
+                except (OSError, WouldBlock) as exc:
+                    results[i] = exc  # type: ignore[assignment]
 
         # split a call over the threads only when there are not already enough calls to keep them busy
         parts = 1 if self._calls >= self.threads else self.threads
@@ -344,6 +380,8 @@ class LocalDriver(Driver):
     async def close(self) -> None:
         """Stop the worker threads (after the jobs already queued)."""
         await anyio.to_thread.run_sync(self._pool.shutdown)
+        if self._cold is not None:
+            await anyio.to_thread.run_sync(self._cold.shutdown)
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
                          nbytes: int) -> list[int | BaseException | None]:
@@ -356,12 +394,34 @@ class LocalDriver(Driver):
             self._write_one(paths[i], parts)
             return sum(memoryview(p).nbytes for p in parts)
 
-        return await self.map(one, len(paths))  # type: ignore[return-value]
+        return list(await self.map(one, len(paths)))
 
     async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
                         nbytes: int) -> list[R | BaseException]:
-        """Each job runs in a worker thread on the file itself (a scatter read into its rows)."""
-        return await self.map(lambda i: job(i, LocalSource(paths[i])), len(paths))  # type: ignore[return-value]
+        """Each job runs in a worker thread on the file itself (a scatter read into its rows).
+
+        Jobs first run on the CPU-count threads reading only what the page cache holds; those
+        whose record must come from the device run again on up to ``depth`` threads that wait
+        for it, so a cold batch keeps the device busy without slowing down warm reads.
+        """
+        results: list[Any] = await self.map(lambda i: job(i, LocalSource(paths[i], nowait=True)),
+                                             len(paths))
+        cold = [i for i, r in enumerate(results) if isinstance(r, WouldBlock)]
+        if cold:
+            if self._cold is None:
+                self._cold = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="tierkv-io-wait")
+            stop = [False]
+
+            def one(i: int) -> None:
+                if stop[0]:
+                    return
+                try:
+                    results[i] = job(i, LocalSource(paths[i]))
+                except OSError as exc:
+                    results[i] = exc
+
+            await self._run_all([functools.partial(one, i) for i in cold], stop, self._cold)
+        return results
 
     def write_one(self, path: str, data: bytes | list[Any]) -> None:
         """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""
@@ -413,7 +473,24 @@ class LocalDriver(Driver):
 
     @staticmethod
     def _read_one(path: str, limit: int) -> bytes | None:
-        return LocalSource(path).read_all(limit + 1)
+        fd = _open_record(path)
+        if fd is None:
+            return None
+        try:
+            chunks, total = [], 0
+            while total <= limit:
+                got = os.read(fd, min(limit + 1 - total, 1 << 22))
+                if not got:
+                    break
+                chunks.append(got)
+                total += len(got)
+            return b"".join(chunks)
+        except OSError as exc:
+            if exc.errno in _NOT_REGULAR:
+                raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
+            raise
+        finally:
+            os.close(fd)
 
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Read the batch in chunks over the worker threads."""
@@ -446,7 +523,7 @@ class LocalDriver(Driver):
                     out.append(Entry(p, st.st_size, st.st_mtime))
             return out
 
-        return await self.run(walk)
+        return await anyio.to_thread.run_sync(walk)  # a long listing never holds an I/O thread
 
 
 def _unlink_quiet(path: str) -> None:

@@ -93,9 +93,12 @@ class FsspecTierConfig(TierConfig):
     elem_size: int = 2
     zstd_level: int = 1
     fsync: bool = False
-    #: local paths: worker threads (default: the CPU count, 2 to 8); other file systems: worker
-    #: threads or concurrent requests (default 4)
+    #: local paths: worker threads for page-cache work (default: the CPU count, 2 to 8); other
+    #: file systems: concurrent requests (default 4)
     io_threads: PositiveInt | None = None
+    #: local paths: reads that must wait for the device (the page cache does not hold the record)
+    #: run on this many threads, so enough are in flight to keep a disk or NFS server busy
+    io_depth: PositiveInt = 16
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = 3600.0
     #: rebuild capacity accounting in the background after start
@@ -204,7 +207,7 @@ def default_io_threads(*, local: bool) -> int:
 
 
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
-                threads: int | None, fsync: bool) -> tuple[Driver, str]:
+                threads: int | None, fsync: bool, depth: int = 16) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
@@ -223,7 +226,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         if not root.startswith("/"):
             root = os.path.abspath(root)
         threads = threads or default_io_threads(local=True)
-        return LocalDriver(limiter, threads, fsync), root.rstrip("/") or "/"
+        return LocalDriver(limiter, threads, fsync, depth), root.rstrip("/") or "/"
     import fsspec
 
     try:
@@ -320,7 +323,7 @@ class FsspecTier(Tier):
         limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
             self._driver, self.root = open_driver(self.cfg.url, self.cfg.storage_options, limiter,
-                                                  self.cfg.io_threads, self.cfg.fsync)
+                                                  self.cfg.io_threads, self.cfg.fsync, self.cfg.io_depth)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await self._write_manifest()
@@ -508,8 +511,7 @@ class FsspecTier(Tier):
                     return None
                 if none_parts_match(expected, head, row, tail, got):
                     return got
-            buf = _read_buffer(row.size + RECORD_OVERHEAD + 1)
-            data = src.read_all(len(buf))
+            data = src.read_all(_read_buffer(row.size + RECORD_OVERHEAD + 1))
         except SpecialFile:
             return "special"
         if data is None:
@@ -519,7 +521,7 @@ class FsspecTier(Tier):
                           out=row)
         except CorruptRecord as exc:
             return exc.reason
-        return len(data)
+        return data.nbytes
 
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         out8 = out.view(torch.uint8).reshape(len(keys), -1)

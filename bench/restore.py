@@ -1,0 +1,258 @@
+"""A whole-prefix restore through the public API, as a ratio to a raw read loop of the same run.
+
+    python bench/restore.py [--block-kib 256,1024,2048] [--total-mib 1024] [--repeats 3]
+                            [--cache warm,cold] [--url file,s3] [--io-threads N] [--json FILE]
+
+What a user's restore does: one store writes ``--total-mib`` of blocks to a ``file://`` (or
+``s3://``) tier through ``put`` and closes; a *new* store (CPU pool big enough for all of them)
+serves one request: ``lookup_prefix`` polled (every millisecond, as an engine's step would) until
+it is not PENDING, then ``get`` of the whole prefix into an output tensor that was allocated and
+touched beforehand (an engine's KV buffer is). Time from the first lookup to ``get``'s return.
+
+A second variant ends with ``borrow`` instead of ``get``: the caller uses the restored rows where
+they landed in the pool, with no second copy.
+
+Baselines, same run, same files, plain single-threaded loops: ``raw read`` is ``open / read /
+close`` of each record file (a new ``bytes`` each time: malloc hands the loop the same cache-hot
+buffer again and again); ``raw readinto`` reads each file into its row of a preallocated, touched
+tensor, i.e. delivers the bytes where a restore must put them. ``cold``: the page cache is
+dropped (``echo 3 > /proc/sys/vm/drop_caches``, root only) before each timed read, raw or
+restore; ``warm``: the files were just read.
+
+Also, per block size: ``get`` of blocks already resident in the primary against ``Tensor.copy_``
+of the same bytes between preallocated tensors (memcpy), and the cost of one ``lookup_prefix``
+over 1,024 resident keys (first call of a request, which pins them, and repeated calls).
+
+Every figure is the median of ``--repeats`` rounds; ratios are taken within a round (baseline
+time / tierkv time: above 1 is faster than the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from tierkv import GroupSpec, Layout, Lookup, TieredStore
+
+MIB = 1 << 20
+
+
+def drop_caches() -> bool:
+    """Drop the page cache; False when this process may not."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def hashes_for(tag: str, n: int) -> list[bytes]:
+    return [tag.encode().ljust(8, b"-")[:8] + i.to_bytes(24, "big") for i in range(n)]
+
+
+def config(block: int, n: int, tier: dict[str, Any], io_threads: int | None) -> dict[str, Any]:
+    layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=block)])
+    if io_threads:
+        tier = {**tier, "io_threads": io_threads}
+    return {"layout": layout, "namespace": "bench-restore",
+            "tiers": [{"kind": "cpu", "slots": {0: n}}, tier]}
+
+
+async def write(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) -> None:
+    async with TieredStore(cfg) as store:
+        for i in range(0, len(hashes), 64):
+            await store.put(0, hashes[i:i + 64], data[i:i + 64])
+        await store.flush()
+        st = store.stats().tiers[1]
+        if st.stores != len(hashes):
+            raise SystemExit(f"the writer stored {st.stores} of {len(hashes)} blocks "
+                             f"({st.stores_shed} shed, {st.stores_failed} failed)")
+
+
+async def until_hit(store: TieredStore, hashes: list[bytes]) -> int:
+    """Poll ``lookup_prefix`` every millisecond until it is not PENDING; the number of polls."""
+    polls = 0
+    while True:
+        pl = store.lookup_prefix(hashes, request_id="r")
+        polls += 1
+        if pl.state is not Lookup.PENDING:
+            break
+        await anyio.sleep(0.001)
+    if pl.state is not Lookup.HIT or pl.blocks != len(hashes):
+        raise SystemExit(f"restore answered {pl}, expected HIT for {len(hashes)} blocks")
+    return polls
+
+
+async def restore_borrow(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) -> float:
+    """Time one request's restore ending in ``borrow`` (rows used in place)."""
+    async with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        await until_hit(store, hashes)
+        async with store.borrow(0, hashes, request_id="r") as rows:
+            t1 = time.perf_counter()
+            if not torch.equal(rows, data):
+                raise SystemExit("borrowed rows differ from those stored")
+    return t1 - t0
+
+
+async def restore(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor,
+                  data: torch.Tensor) -> dict[str, float]:
+    """Time one request's restore; also time a get of the resident blocks and lookups."""
+    async with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        polls = await until_hit(store, hashes)
+        t1 = time.perf_counter()
+        await store.get(0, hashes, out, request_id="r")
+        t2 = time.perf_counter()
+        if not torch.equal(out, data):
+            raise SystemExit("restored bytes differ from those stored")
+        # resident now: get again, and lookups of 1,024 resident keys
+        out.zero_()
+        t3 = time.perf_counter()
+        await store.get(0, hashes, out)
+        t4 = time.perf_counter()
+        k = hashes[:1024]
+        t5 = time.perf_counter()
+        store.lookup_prefix(k, request_id="fresh")
+        t6 = time.perf_counter()
+        again = []
+        for _ in range(20):
+            a = time.perf_counter()
+            store.lookup_prefix(k, request_id="fresh")
+            again.append(time.perf_counter() - a)
+        store.release("fresh")
+        store.release("r")
+    return {"restore_s": t2 - t0, "lookup_phase_s": t1 - t0, "get_s": t2 - t1, "polls": polls,
+            "resident_get_s": t4 - t3, "lookup_first_ms": (t6 - t5) * 1e3,
+            "lookup_again_ms": statistics.median(again) * 1e3, "lookup_keys": len(k)}
+
+
+def raw_read_loop(paths: list[str]) -> int:
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            total += len(f.read())
+    return total
+
+
+def raw_readinto_loop(paths: list[str], rows: torch.Tensor) -> None:
+    arr = rows.numpy()
+    for i, p in enumerate(paths):
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(arr[i])
+
+
+def memcpy_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_file(args: argparse.Namespace, block: int, cache: str, base: Path) -> dict[str, Any]:
+    n = max(1, (args.total_mib * MIB) // block)
+    data = torch.randint(0, 256, (n, block), dtype=torch.uint8)
+    out = torch.zeros_like(data)
+    spare = torch.zeros_like(data)
+    record = os.path.getsize
+    url = f"file://{base}/b{block}"
+    cfg = config(block, n, {"kind": "fsspec", "url": url}, args.io_threads)
+    hashes = hashes_for(f"b{block}", n)
+    anyio.run(write, cfg, hashes, data)
+    paths = sorted(str(p) for p in (base / f"b{block}").rglob("*.tkv"))
+    assert len(paths) == n
+    into = torch.zeros((n, record(paths[0])), dtype=torch.uint8)
+    rounds = []
+
+    def fresh() -> None:
+        if cache == "cold":
+            if not drop_caches():
+                raise SystemExit("cold: cannot drop the page cache (needs root)")
+        else:
+            raw_read_loop(paths)
+
+    for _ in range(args.repeats):
+        fresh()
+        t0 = time.perf_counter()
+        raw_read_loop(paths)
+        raw = time.perf_counter() - t0
+        fresh()
+        t0 = time.perf_counter()
+        raw_readinto_loop(paths, into)
+        raw_into = time.perf_counter() - t0
+        fresh()
+        out.zero_()
+        r = anyio.run(restore, cfg, hashes, out, data)
+        fresh()
+        r["borrow_s"] = anyio.run(restore_borrow, cfg, hashes, data)
+        r["raw_s"] = raw
+        r["raw_into_s"] = raw_into
+        r["memcpy_s"] = memcpy_s(data, spare)
+        rounds.append(r)
+    total = n * block
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    return {
+        "url": "file", "block_bytes": block, "blocks": n, "cache": cache, "rounds": rounds,
+        "restore_mb_s": total / med["restore_s"] / 1e6, "raw_mb_s": total / med["raw_s"] / 1e6,
+        "borrow_mb_s": total / med["borrow_s"] / 1e6, "raw_into_mb_s": total / med["raw_into_s"] / 1e6,
+        "ratio_restore_vs_raw": statistics.median(r["raw_s"] / r["restore_s"] for r in rounds),
+        "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
+        "ratio_restore_vs_raw_into": statistics.median(r["raw_into_s"] / r["restore_s"] for r in rounds),
+        "ratio_borrow_vs_raw_into": statistics.median(r["raw_into_s"] / r["borrow_s"] for r in rounds),
+        "ratio_resident_get_vs_memcpy": statistics.median(r["memcpy_s"] / r["resident_get_s"]
+                                                          for r in rounds),
+        "lookup_first_ms": med["lookup_first_ms"], "lookup_again_ms": med["lookup_again_ms"],
+        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--block-kib", default="256,1024,2048")
+    p.add_argument("--total-mib", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache", default="warm,cold")
+    p.add_argument("--io-threads", type=int, default=None)
+    p.add_argument("--dir", default=None, help="where the tier lives (default: a temporary directory)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tierkv-restore-") as tmp:
+        for kib in (int(x) for x in args.block_kib.split(",")):
+            for cache in args.cache.split(","):
+                base = Path(tmp) / f"{kib}-{cache}"
+                base.mkdir()
+                r = run_file(args, kib << 10, cache, base)
+                results.append(r)
+                print(f"file:// {r['blocks']} x {kib} KiB, {cache}: restore+get "
+                      f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw read "
+                      f"{r['raw_mb_s']:,.0f}, raw readinto {r['raw_into_mb_s']:,.0f}; ratios to raw read "
+                      f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to raw readinto "
+                      f"{r['ratio_restore_vs_raw_into']:.2f} / {r['ratio_borrow_vs_raw_into']:.2f} "
+                      f"(lookups until HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s); "
+                      f"resident get / memcpy {r['ratio_resident_get_vs_memcpy']:.2f}; lookup_prefix "
+                      f"over 1,024 resident keys {r['lookup_first_ms']:.2f} ms first, "
+                      f"{r['lookup_again_ms']:.3f} ms again", flush=True)
+                for f in base.rglob("*"):
+                    if f.is_file():
+                        f.unlink()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
