@@ -601,7 +601,7 @@ async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() 
     import threading
     import time
 
-    from tierkv.backends.fsio import LocalDriver
+    from tierkv.backends.localfs import LocalDriver
 
     driver = LocalDriver(anyio.CapacityLimiter(2), threads=2, fsync=False)
     lock, running, started, finished = threading.Lock(), [0], [0], [0]

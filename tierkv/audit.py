@@ -24,8 +24,9 @@ from typing import Any
 
 import anyio
 
-from tierkv.backends.fsio import Driver, Entry, LocalDriver, SpecialFile, temp_owner_alive
+from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsspec import RECORD_OVERHEAD, Redactor, open_driver, redact_url
+from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     Listing,

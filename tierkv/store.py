@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import torch
 
-from tierkv.admission import Admission, Promotion
+from tierkv.admission import Admission
 from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
@@ -35,14 +35,16 @@ from tierkv.bridge import LoopBridge, locked
 from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
 from tierkv.engine import EngineSlots, Reservation
-from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed
+from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
 from tierkv.metrics import GroupStats, StoreStats, TierStats
-from tierkv.pool import SlotPool, SlotState, contiguous_run, plan_pools
-from tierkv.tensors import byte_rows
+from tierkv.pool import SlotPool, plan_pools
+from tierkv.promotion import Promoter
+from tierkv.reader import Reader
+from tierkv.tensors import byte_rows, take_rows
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
@@ -77,12 +79,12 @@ class TieredStore:
         self._open = False
         self._pools: dict[int, SlotPool] = {}
         self._gateways: list[TierGateway] = []
-        self._promoting: dict[bytes, anyio.Event] = {}
-        self._probe_batches: dict[tuple[int, int], list[bytes]] = {}
         self._admission = Admission({}, self.config.admission)
         self._cascader: Cascader | None = None
+        self._promoter: Promoter | None = None
         self._resolver: Resolver | None = None
         self._engine: EngineSlots | None = None
+        self._reader: Reader | None = None
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0,
@@ -116,13 +118,17 @@ class TieredStore:
         self._gateways = [TierGateway(i, t, lock) for i, t in enumerate(self._tiers[1:], start=1)]
         self._admission = Admission(self._pools, self.config.admission)
         self._cascader = Cascader(self._bridge, self._pools, self._gateways, self._changed)
+        self._promoter = Promoter(self._bridge, self._pools, self._gateways, self._admission, self._changed)
         self._resolver = Resolver(self.layout, self._pools, self._gateways, self._admission,
-                                  self._cascader.staged, self._promoting)
+                                  self._cascader.staged, self._promoter.promoting)
         self._engine = EngineSlots(lock=lock, layout=self.layout, pools=self._pools,
                                    admission=self._admission, resolver=self._resolver,
-                                   check_open=self._check_open, start=self._start,
+                                   check_open=self._check_open, start=self._promoter.start,
                                    committed=self._committed, changed=self._changed,
                                    set_event=self._bridge.set_event)
+        self._reader = Reader(lock=lock, admission=self._admission, gateways=self._gateways,
+                              cascader=self._cascader, promoter=self._promoter, engine=self._engine,
+                              stats=self._primary_stats, changed=self._changed)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
         await self._bridge.start()
@@ -205,13 +211,13 @@ class TieredStore:
             got = pool.allocate([keys[i] for i in placed])
             assert got is not None
             slots = got[0]
-            pool.write(slots, _rows(src, placed))
+            pool.write(slots, take_rows(src, placed))
             pool.mark_ready(slots)
             self._committed(group, [keys[i] for i in placed], slots)
         direct = new[n:]
         if direct:
             assert self._cascader is not None
-            copy = _rows(src, direct).to("cpu", copy=True)
+            copy = take_rows(src, direct).to("cpu", copy=True)
             if self._cascader.start(group, [keys[i] for i in direct], None, copy):
                 self._counts["put_blocks_direct"] += len(direct)
             else:
@@ -311,69 +317,15 @@ class TieredStore:
         self._changed()
 
     # ---- background work ------------------------------------------------------------------------
+    def _start(self, work: Work) -> None:
+        assert self._promoter is not None
+        self._promoter.start(work)
+
     def _changed(self) -> None:
         """Slots may have become available: admit waiting requests (call under the lock)."""
         if self._open and self._admission.queue:
             assert self._resolver is not None
             self._start(Work(promotions=self._admission.service(self._resolver.held_by)))
-
-    def _start(self, work: Work) -> None:
-        for p in work.promotions:
-            for k in p.keys:
-                self._promoting[k] = anyio.Event()
-            self._bridge.begin()
-            self._bridge.spawn(self._promote, p)
-        for (pos, group), keys in work.probes.items():
-            gw = self._gateways[pos]
-            keys = [k for k in dict.fromkeys(keys) if k not in gw.probing]
-            if not keys:
-                continue
-            gw.probing.update(keys)
-            batch = self._probe_batches.get((pos, group))
-            if batch is not None:  # a probe task is scheduled and has not started: it takes these
-                batch.extend(keys)
-                continue
-            self._probe_batches[(pos, group)] = list(keys)
-            self._bridge.begin()
-            self._bridge.spawn(self._probe, gw, pos, group)
-
-    async def _promote(self, p: Promotion) -> None:
-        gw = self._gateways[p.tier]
-        pool = self._pools[p.group]
-
-        def landed(positions: list[int], ok: list[bool]) -> None:
-            p.landed(ok)
-            good = [p.slots[i] for i, f in zip(positions, ok, strict=True) if f]
-            pool.mark_ready(good)
-            gw.stats.promotions += len(good)
-            for i, f in zip(positions, ok, strict=True):
-                key = p.keys[i]
-                if not f:
-                    gw.stats.promotions_failed += 1
-                    self._admission.drop(p.group, key)
-                ev = self._promoting.pop(key, None)
-                if ev is not None:
-                    self._bridge.set_event(ev)
-
-        try:
-            await gw.load(p.group, p.keys, pool.tensor, p.slots, on_batch=landed)
-        finally:
-            with self._lock:
-                left = [i for i, k in enumerate(p.keys) if k in self._promoting]
-                if left:  # cancelled (the store is closing): what did not land is dropped
-                    landed(left, [False] * len(left))
-                self._bridge.end()
-                self._changed()
-
-    async def _probe(self, gw: TierGateway, pos: int, group: int) -> None:
-        try:
-            with self._lock:
-                keys = self._probe_batches.pop((pos, group))
-            await gw.probe(group, keys)
-        finally:
-            with self._lock:
-                self._bridge.end()
-                self._changed()
 
     async def _lease_sweeper(self) -> None:
         lease = self.config.pin_lease_s
@@ -386,7 +338,7 @@ class TieredStore:
                     self._admission.release(rid)
                 self._changed()
 
-    # ---- get ------------------------------------------------------------------------------------
+    # ---- get / borrow -------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
                   request_id: str | None = None) -> None:
         """Copy blocks into the rows of ``out``, waiting for PENDING ones.
@@ -401,95 +353,8 @@ class TieredStore:
             pool, keys = self._keys(group, hashes)
             out8 = byte_rows(out, len(keys), pool.block_bytes, "out", pool.device, writable=True)
             req = self._admission.request(request_id)
-        todo = list(range(len(keys)))
-        missing: list[int] = []
-        while todo:
-            with self._lock:
-                absent, waits = self._copy_resident(pool, keys, todo, out8)
-            if absent:
-                missing += await self._read_lower(group, keys, absent, out8)
-            if waits:
-                await next(iter(waits.values())).wait()
-            todo = list(waits)
-        if req is not None:
-            with self._lock:
-                for k in keys:
-                    self._admission.unpin(req, k)
-                self._changed()
-        if missing:
-            raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
-                               f" by no tier", missing=sorted(missing))
-
-    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int],
-                       out8: torch.Tensor) -> tuple[list[int], dict[int, anyio.Event]]:
-        """Copy READY (and staged) rows out; the rows held by no slot, and events to wait for."""
-        assert self._cascader is not None and self._engine is not None
-        ready: list[int] = []
-        absent: list[int] = []
-        waits: dict[int, anyio.Event] = {}
-        index, state = pool.index, pool.state
-        for i in todo:
-            s = index.get(keys[i])
-            if s is None:
-                staged = self._cascader.staged_row(keys[i])
-                if staged is not None:
-                    out8[i].copy_(staged)
-                else:
-                    absent.append(i)
-            elif state[s] is SlotState.READY:
-                ready.append(i)
-            else:
-                ev = self._promoting.get(keys[i]) or self._engine.storing(keys[i])
-                assert ev is not None, "every WRITING slot has an event"
-                waits[i] = ev
-        if ready:
-            slots = [index[keys[i]] for i in ready]
-            r = contiguous_run(ready)
-            if r is not None:
-                pool.read(slots, out8[r[0]:r[1]])
-            else:
-                tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8, device=out8.device)
-                pool.read(slots, tmp)
-                out8.index_copy_(0, torch.tensor(ready, dtype=torch.int64, device=out8.device), tmp)
-            for i in ready:
-                pool.touch(keys[i])
-            self._primary_stats.hits += len(ready)
-            self._primary_stats.bytes_read += len(ready) * pool.block_bytes
-        return absent, waits
-
-    async def _read_lower(self, group: int, keys: list[bytes], rows: list[int],
-                          out8: torch.Tensor) -> list[int]:
-        """Read blocks held by no primary slot straight into ``out8``; the rows still missing."""
-        left = rows
-        now = time.monotonic()
-        for gw in self._gateways:
-            if not left:
-                break
-            with self._lock:
-                sub = [i for i in left if gw.presence(group, keys[i], now) is not False]
-            if not sub:
-                continue
-            sub_keys = [keys[i] for i in sub]
-            ok = await gw.load(group, sub_keys, out8, sub)
-            got = [j for j, f in enumerate(ok) if f]
-            if got:
-                with self._lock:
-                    self._keep(group, [sub_keys[j] for j in got], out8, [sub[j] for j in got])
-            done = {sub[j] for j in got}
-            left = [i for i in left if i not in done]
-        return left
-
-    def _keep(self, group: int, keys: list[bytes], src: torch.Tensor, rows: list[int]) -> None:
-        """Keep blocks read from a lower tier in the primary when slots can be had now."""
-        pool = self._pools[group]
-        take = [j for j, k in enumerate(keys) if pool.slot_of(k) is None]
-        if not take or pool.available() < len(take) or self._admission.queue:
-            return
-        got = pool.allocate([keys[j] for j in take])
-        if got is None:
-            return
-        pool.write(got[0], _rows(src, [rows[j] for j in take]))
-        pool.mark_ready(got[0])
+        assert self._reader is not None
+        await self._reader.get(group, pool, keys, out8, req)
 
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, hashes: Sequence[bytes],
@@ -508,50 +373,9 @@ class TieredStore:
             self._check_open()
             pool, keys = self._keys(group, hashes)
             req = self._admission.request(request_id)
-            lender = self._admission.anonymous()
-        try:
-            while True:
-                with self._lock:
-                    missing, waits = [], []
-                    slots: list[int] = []
-                    for i, k in enumerate(keys):
-                        s = pool.index.get(k)
-                        if s is None:
-                            missing.append(i)
-                        elif pool.state[s] is not SlotState.READY:
-                            waits.append(self._promoting.get(k) or self.engine.storing(k))
-                        else:
-                            slots.append(s)
-                    if not missing and not waits:
-                        for k, s in zip(keys, slots, strict=True):
-                            self._admission.pin(lender, group, k, s)
-                        break
-                if missing:
-                    raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are not "
-                                       f"in the primary", missing=missing)
-                ev = next((e for e in waits if e is not None), None)
-                if ev is None:
-                    await anyio.sleep(0)
-                else:
-                    await ev.wait()
-            run = contiguous_run(slots)
-            if run is not None:
-                rows = pool.tensor[run[0]:run[1]]
-            else:
-                rows = pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.int64, device=pool.device))
-            with self._lock:
-                for k in keys:
-                    pool.touch(k)
-                self._primary_stats.hits += len(keys)
-                self._primary_stats.bytes_read += len(keys) * pool.block_bytes
+        assert self._reader is not None
+        async with self._reader.borrow(group, pool, keys, req) as rows:
             yield rows
-        finally:
-            with self._lock:
-                self._admission.end_call(lender)
-                if req is not None:
-                    for k in keys:
-                        self._admission.unpin(req, k)
-                self._changed()
 
     # ---- state ----------------------------------------------------------------------------------
     @locked
@@ -608,17 +432,9 @@ class TieredStore:
         return StoreStats(
             plan=plan, tiers=[prim] + [gw.snapshot() for gw in self._gateways], groups=groups,
             lookups=dict(self._lookups), requests_active=len(self._admission.requests),
-            admission_queue=len(self._admission.queue), promotions_pending=len(self._promoting),
+            admission_queue=len(self._admission.queue),
+            promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
             **self._counts)
-
-
-def _rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    if len(idx) == t.shape[0] and all(i == j for j, i in enumerate(idx)):
-        return t
-    r = contiguous_run(idx)
-    if r is not None:
-        return t[r[0]:r[1]]
-    return t.index_select(0, torch.tensor(idx, dtype=torch.int64, device=t.device))
 
 
 async def _guarded(fn: Callable[[], Awaitable[None]]) -> None:

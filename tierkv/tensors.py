@@ -6,7 +6,7 @@ import torch
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["byte_rows"]
+__all__ = ["byte_rows", "take_rows"]
 
 
 def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.device,
@@ -41,3 +41,12 @@ def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.devi
         return t.detach().view(torch.uint8).reshape(n, block_bytes)
     except RuntimeError as exc:
         raise InvalidArgument(f"{what} cannot be viewed as bytes: {str(exc).splitlines()[0]}") from None
+
+
+def take_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Rows ``idx`` of ``t``: ``t`` itself or a view when they are all or one run, else a copy."""
+    if len(idx) == t.shape[0] and all(i == j for j, i in enumerate(idx)):
+        return t
+    if idx and idx[-1] - idx[0] + 1 == len(idx) and all(s == idx[0] + j for j, s in enumerate(idx)):
+        return t[idx[0]:idx[-1] + 1]
+    return t.index_select(0, torch.tensor(idx, dtype=torch.int64, device=t.device))

@@ -39,15 +39,8 @@ import torch
 from pydantic import Field, PositiveInt
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
-from tierkv.backends.fsio import (
-    AsyncDriver,
-    Driver,
-    LocalDriver,
-    RecordSource,
-    SpecialFile,
-    SyncDriver,
-    temp_owner_alive,
-)
+from tierkv.backends.fsio import Driver, RecordSource, SpecialFile, temp_owner_alive
+from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
@@ -58,6 +51,7 @@ from tierkv.backends.namespace import (
     namespace_path,
     record_path,
 )
+from tierkv.backends.remotefs import AsyncDriver, SyncDriver
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.record import (
     FIXED_HEADER_LEN,

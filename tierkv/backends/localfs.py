@@ -1,0 +1,356 @@
+"""Local (or mounted: NFS, any shared directory) file systems through os calls."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import os
+import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+
+from tierkv.backends.fsio import (
+    Driver,
+    Entry,
+    RecordSource,
+    SpecialFile,
+    WouldBlock,
+    temp_name,
+)
+
+__all__ = ["LocalDriver", "LocalSource", "RWF_NOWAIT"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+#: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
+_NOT_REGULAR = (errno.ESPIPE, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EAGAIN)
+
+
+def _open_record(path: str) -> int | None:
+    """A read-only descriptor of ``path``; None when absent.
+
+    ``O_NONBLOCK`` makes a FIFO or a device open (and read) at once instead of blocking, and a
+    symlink is never followed: anything but a regular file ends in :class:`SpecialFile`, here or
+    at the first read.
+    """
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise SpecialFile(errno.ELOOP, "a symlink where a record should be", path) from None
+        if exc.errno in _NOT_REGULAR:
+            raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
+        raise
+
+
+class LocalSource:
+    """A record in a local (or mounted) file.
+
+    With ``nowait``, reads take only what the page cache holds and raise :class:`WouldBlock`
+    when the device would have to be waited for (the driver then retries on a thread that may
+    block), so page-cache hits never queue behind reads of cold records.
+    """
+
+    def __init__(self, path: str, nowait: bool = False) -> None:
+        self.path = path
+        self.nowait = nowait and RWF_NOWAIT is not None
+
+    def _read(self, fd: int, bufs: list[Any]) -> int:
+        try:
+            if not self.nowait or RWF_NOWAIT is None:
+                return os.readv(fd, bufs)
+            try:
+                got = os.preadv(fd, bufs, 0, RWF_NOWAIT)
+            except BlockingIOError:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise WouldBlock from None
+                raise
+            if got < sum(memoryview(b).nbytes for b in bufs):
+                # short: the file ends here, or the page cache holds no more of it
+                try:
+                    if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):
+                        raise WouldBlock
+                except BlockingIOError:
+                    raise WouldBlock from None
+            return got
+        except OSError as exc:
+            if exc.errno in _NOT_REGULAR:
+                raise SpecialFile(exc.errno, "not a regular file where a record should be",
+                                  self.path) from None
+            raise
+
+    def readinto(self, bufs: list[Any]) -> int | None:
+        """One read into ``bufs``. Regular files read short only at their end, so a result equal
+        to the total length of ``bufs`` means the file is at least that long."""
+        fd = _open_record(self.path)
+        if fd is None:
+            return None
+        try:
+            return self._read(fd, bufs)
+        finally:
+            os.close(fd)
+
+    def read_all(self, buf: memoryview) -> memoryview | None:
+        """The record's bytes (at most ``len(buf)``), read into ``buf``; None when absent."""
+        fd = _open_record(self.path)
+        if fd is None:
+            return None
+        try:
+            got = self._read(fd, [buf])
+            while not self.nowait and 0 < got < len(buf):  # regular files read short only at
+                more = os.readv(fd, [buf[got:]])            # the end, but be sure
+                if not more:
+                    break
+                got += more
+            return buf[:got]
+        finally:
+            os.close(fd)
+
+
+def _chunks(n: int, parts: int) -> list[range]:
+    if n <= 0:
+        return []
+    parts = max(1, min(parts, n))
+    step = -(-n // parts)
+    return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+class LocalDriver(Driver):
+    """Local (or mounted: NFS, any shared directory) file system through os calls.
+
+    The driver owns a pool of ``threads`` worker threads, which bounds the tier's concurrency
+    (``limiter`` is not used here). Jobs go straight to the pool's queue, so a thread that finishes
+    one job starts the next without a round trip through the event loop: with page-cache reads of
+    30 us, that round trip was a fifth of a load (docs/performance.md). A caller cancelled while its
+    jobs run still waits for them: they write into the caller's buffers.
+    """
+
+    def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16) -> None:
+        super().__init__(limiter)
+        self.threads = threads
+        self.depth = max(depth, threads)
+        self.fsync = fsync
+        self._dirs: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
+        #: reads of records not in the page cache: they wait for the device, many at once
+        self._cold: ThreadPoolExecutor | None = None
+        self._calls = 0  # map() calls in flight
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``fn`` in one of this driver's threads."""
+        return (await self._run_all([functools.partial(fn, *args)]))[0]
+
+    async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None,
+                       pool: ThreadPoolExecutor | None = None) -> list[T]:
+        """Run ``calls`` on the pool; their results in order, once every one has ended.
+
+        On cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
+        those running to end early, and this waits for them before it raises.
+        """
+        jobs = [(pool or self._pool).submit(c) for c in calls]
+        try:
+            return [await asyncio.wrap_future(j) for j in jobs]
+        except BaseException:
+            if stop is not None:
+                stop[0] = True
+            for j in jobs:
+                j.cancel()
+            running = [asyncio.wrap_future(j) for j in jobs if not j.done()]
+            if running:
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait(running)
+            raise
+
+    async def map(self, fn: Callable[[int], T], n: int) -> list[T | OSError]:
+        """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads.
+
+        Per item, what ``fn`` returned or the ``OSError`` it raised: a tier does a whole per-record
+        job (encode + write) in one worker thread, with no intermediate buffers handed back. A
+        cancelled call returns once the items already running have ended; no other item starts.
+        """
+        results: list[T | OSError] = [None] * n  # type: ignore[list-item]
+        stop = [False]
+
+        def chunk(idx: range) -> None:
+            for i in idx:
+                if stop[0]:
+                    return
+                try:
+                    results[i] = fn(i)
+                except (OSError, WouldBlock) as exc:
+                    results[i] = exc  # type: ignore[assignment]
+
+        # split a call over the threads only when there are not already enough calls to keep them busy
+        parts = 1 if self._calls >= self.threads else self.threads
+        self._calls += 1
+        try:
+            await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
+        finally:
+            self._calls -= 1
+        return results
+
+    async def close(self) -> None:
+        """Stop the worker threads (after the jobs already queued)."""
+        await anyio.to_thread.run_sync(self._pool.shutdown)
+        if self._cold is not None:
+            await anyio.to_thread.run_sync(self._cold.shutdown)
+
+    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                         nbytes: int) -> list[int | BaseException | None]:
+        """Encode and publish each record in one worker thread (``writev`` of its pieces)."""
+
+        def one(i: int) -> int | None:
+            parts = job(i)
+            if parts is None:
+                return None
+            self._write_one(paths[i], parts)
+            return sum(memoryview(p).nbytes for p in parts)
+
+        return list(await self.map(one, len(paths)))
+
+    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                        nbytes: int) -> list[R | BaseException]:
+        """Each job runs in a worker thread on the file itself (a scatter read into its rows).
+
+        Jobs first run on the CPU-count threads reading only what the page cache holds; those
+        whose record must come from the device run again on up to ``depth`` threads that wait
+        for it, so a cold batch keeps the device busy without slowing down warm reads.
+        """
+        results: list[Any] = await self.map(lambda i: job(i, LocalSource(paths[i], nowait=True)),
+                                             len(paths))
+        cold = [i for i, r in enumerate(results) if isinstance(r, WouldBlock)]
+        if cold:
+            if self._cold is None:
+                self._cold = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="tierkv-io-wait")
+            stop = [False]
+
+            def one(i: int) -> None:
+                if stop[0]:
+                    return
+                try:
+                    results[i] = job(i, LocalSource(paths[i]))
+                except OSError as exc:
+                    results[i] = exc
+
+            await self._run_all([functools.partial(one, i) for i in cold], stop, self._cold)
+        return results
+
+    def write_one(self, path: str, data: bytes | list[Any]) -> None:
+        """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""
+        self._write_one(path, data)
+
+    def _write_one(self, path: str, data: bytes | list[Any]) -> None:
+        d = path.rpartition("/")[0]
+        if d not in self._dirs:
+            os.makedirs(d, exist_ok=True)
+            self._dirs.add(d)
+        tmp = temp_name(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            # the directory vanished under us (another process or tool removed it): recreate it
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            bufs = data if isinstance(data, list) else [data]
+            total = sum(memoryview(b).nbytes for b in bufs)
+            done = os.writev(fd, bufs)
+            if done != total:
+                view = b"".join(bytes(b) for b in bufs)[done:]
+                while view:
+                    view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        if self.fsync:
+            dfd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
+        """Write the batch in chunks over the worker threads."""
+        return await self.map(lambda i: self._write_one(*items[i]), len(items))
+
+    @staticmethod
+    def _read_one(path: str, limit: int) -> bytes | None:
+        fd = _open_record(path)
+        if fd is None:
+            return None
+        try:
+            chunks, total = [], 0
+            while total <= limit:
+                got = os.read(fd, min(limit + 1 - total, 1 << 22))
+                if not got:
+                    break
+                chunks.append(got)
+                total += len(got)
+            return b"".join(chunks)
+        except OSError as exc:
+            if exc.errno in _NOT_REGULAR:
+                raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
+            raise
+        finally:
+            os.close(fd)
+
+    async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
+        """Read the batch in chunks over the worker threads."""
+        return await self.map(lambda i: self._read_one(paths[i], limit), len(paths))
+
+    async def exists_many(self, paths: list[str]) -> list[bool]:
+        """One worker thread stats the whole batch."""
+        return await self.run(lambda: [os.path.isfile(p) for p in paths])
+
+    async def delete_many(self, paths: list[str]) -> None:
+        """Unlink in a worker thread."""
+        def unlink_all() -> None:
+            for p in paths:
+                _unlink_quiet(p)
+
+        await self.run(unlink_all)
+
+    async def listdir(self, root: str) -> list[Entry]:
+        """Walk ``root`` in a worker thread."""
+
+        def walk() -> list[Entry]:
+            out = []
+            for d, _, files in os.walk(root):
+                for name in files:
+                    p = f"{d}/{name}"
+                    try:
+                        st = os.lstat(p)  # a symlink (a loop, say) is listed, never followed
+                    except OSError:
+                        continue  # vanished, or unreadable: one bad entry never stops a listing
+                    out.append(Entry(p, st.st_size, st.st_mtime))
+            return out
+
+        return await anyio.to_thread.run_sync(walk)  # a long listing never holds an I/O thread
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
