@@ -1,28 +1,53 @@
 """tierkv: a tiered, asyncio-native store for LLM KV caches and other fixed-size model state.
 
-The public front door: everything a user needs is importable from here.
+The public front door: everything a user needs is importable from here. Names are imported on
+first use, so ``import tierkv.transfer`` (torch only) does not pull in the rest of the package.
 """
 
-from tierkv.config import StoreConfig
-from tierkv.errors import (
-    BackendError,
-    BackendNotFound,
-    BlockMissing,
-    CapacityError,
-    ConfigError,
-    CorruptRecord,
-    InvalidArgument,
-    LayoutError,
-    StoreClosed,
-    TierKVError,
-)
-from tierkv.keys import make_key, split_key
-from tierkv.layout import GroupSpec, Layout
-from tierkv.metrics import StoreStats, to_prometheus
-from tierkv.pool import PoolPlan, plan_pools
-from tierkv.store import Lookup, PrefixLookup, TieredStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierkv.config import StoreConfig
+    from tierkv.errors import (
+        BackendError,
+        BackendNotFound,
+        BlockMissing,
+        CapacityError,
+        ConfigError,
+        CorruptRecord,
+        InvalidArgument,
+        LayoutError,
+        StoreClosed,
+        TierKVError,
+    )
+    from tierkv.keys import make_key, split_key
+    from tierkv.layout import GroupSpec, Layout
+    from tierkv.metrics import StoreStats, to_prometheus
+    from tierkv.pool import PoolPlan, plan_pools
+    from tierkv.store import Lookup, PrefixLookup, TieredStore
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "StoreConfig": "tierkv.config",
+    **dict.fromkeys(["BackendError", "BackendNotFound", "BlockMissing", "CapacityError", "ConfigError",
+                     "CorruptRecord", "InvalidArgument", "LayoutError", "StoreClosed", "TierKVError"],
+                    "tierkv.errors"),
+    "make_key": "tierkv.keys",
+    "split_key": "tierkv.keys",
+    "GroupSpec": "tierkv.layout",
+    "Layout": "tierkv.layout",
+    "StoreStats": "tierkv.metrics",
+    "to_prometheus": "tierkv.metrics",
+    "PoolPlan": "tierkv.pool",
+    "plan_pools": "tierkv.pool",
+    "Lookup": "tierkv.store",
+    "PrefixLookup": "tierkv.store",
+    "TieredStore": "tierkv.store",
+}
 
 __all__ = [
     "BackendError",
@@ -49,3 +74,16 @@ __all__ = [
     "split_key",
     "to_prometheus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
