@@ -1,0 +1,106 @@
+"""In-flight bounds throttle, they never truncate: long prefixes stream in, bursts of puts queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from helpers import hashes
+
+from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, TieredStore
+
+pytestmark = pytest.mark.anyio
+
+BB = 64 << 10
+LAYOUT = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])
+BOUND = 1 << 20  # max_inflight_bytes: 16 blocks
+
+
+def data(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
+
+
+def cfg(lower: dict[str, object], slots: int = 256) -> dict[str, object]:
+    return {"layout": LAYOUT, "namespace": "stream", "tiers": [{"kind": "cpu", "slots": {0: slots}}, lower]}
+
+
+def file_tier(root: Path, **kw: object) -> dict[str, object]:
+    return {"kind": "fsspec", "url": f"file://{root}", "max_inflight_bytes": BOUND, **kw}
+
+
+async def test_a_prefix_four_times_the_inflight_bound_is_restored_whole(tmp_path: Path) -> None:
+    n = 4 * BOUND // BB
+    hs, blocks = hashes(n), data(n)
+    async with TieredStore(cfg(file_tier(tmp_path))) as writer:
+        await writer.put(0, hs, blocks)
+        await writer.flush()
+        assert writer.stats().tiers[1].stores == n
+    # a new store reads through a tier slowed down per call, so the restore streams for a while
+    slow = {"kind": "faulty", "inner": file_tier(tmp_path), "delay_s": 0.02, "ops": ["get"],
+            "max_inflight_bytes": BOUND}
+    samples: list[int] = []
+    async with TieredStore(cfg(slow)) as store:
+        answers = []
+        with anyio.fail_after(60):
+            while True:
+                pl = store.lookup_prefix(hs, request_id="r")
+                answers.append(pl)
+                samples.append(store.stats().tiers[1].load_inflight_bytes)
+                if pl.state is not Lookup.PENDING:
+                    break
+                await anyio.sleep(0.002)
+        assert pl == PrefixLookup(n, Lookup.HIT), "every block of the prefix, none recomputed"
+        assert all(a.state is not Lookup.MISS for a in answers)
+        assert max(samples) <= BOUND, f"in-flight bytes went to {max(samples)} over a bound of {BOUND}"
+        assert max(samples) > 0, "the restore was sampled while it streamed"
+        assert sum(1 for s in samples if s) >= 3
+        out = torch.zeros_like(blocks)
+        await store.get(0, hs, out, request_id="r")
+        assert torch.equal(out, blocks)
+        st = store.stats().tiers[1]
+        assert st.promotions == n and st.promotions_failed == 0
+
+
+async def test_a_burst_of_puts_past_the_bound_is_queued_not_shed(tmp_path: Path) -> None:
+    """Puts of 4x the bound back to back: cascades wait their turn, none is dropped."""
+    n = 4 * BOUND // BB
+    hs, blocks = hashes(n, doc=1), data(n, seed=1)
+    slow = {"kind": "faulty", "inner": file_tier(tmp_path), "delay_s": 0.02, "ops": ["put"],
+            "max_inflight_bytes": BOUND, "max_inflight_ops": 2}
+    async with TieredStore(cfg(slow)) as store:
+        queued = []
+        for i in range(0, n, 4):
+            await store.put(0, hs[i:i + 4], blocks[i:i + 4])
+            t = store.stats().tiers[1]
+            assert t.inflight_bytes <= BOUND
+            queued.append(t.queued_bytes)
+        assert max(queued) > 0, "the burst outran the bound: some cascades had to wait"
+        await store.flush()
+        t = store.stats().tiers[1]
+        assert t.stores == n and t.stores_shed == 0 and t.stores_failed == 0
+        assert t.inflight_bytes == 0 and t.queued_bytes == 0
+    async with TieredStore(cfg(file_tier(tmp_path))) as reader:
+        out = torch.zeros_like(blocks)
+        await reader.get(0, hs, out)
+        assert torch.equal(out, blocks)
+
+
+async def test_stores_past_max_queued_bytes_are_shed_and_counted(tmp_path: Path) -> None:
+    n = 32
+    hs, blocks = hashes(n, doc=2), data(n, seed=2)
+    slow = {"kind": "faulty", "inner": file_tier(tmp_path), "delay_s": 0.05, "ops": ["put"],
+            "max_inflight_bytes": 4 * BB, "max_queued_bytes": 8 * BB, "max_inflight_ops": 1}
+    async with TieredStore(cfg(slow)) as store:
+        for i in range(0, n, 4):
+            await store.put(0, hs[i:i + 4], blocks[i:i + 4])
+        await store.flush()
+        t = store.stats().tiers[1]
+        assert t.stores_shed > 0, "a queue past max_queued_bytes sheds"
+        assert t.stores + t.stores_shed == n
+        # shed blocks are still in the primary: nothing is lost while they are resident
+        out = torch.zeros_like(blocks)
+        await store.get(0, hs, out)
+        assert torch.equal(out, blocks)
