@@ -31,9 +31,12 @@ class Cascader:
         self._pools = pools
         self._gateways = gateways
         self._changed = changed
-        #: blocks that found no primary slot, held until their cascades end: key -> [row, refs]
+        #: blocks that found no primary slot, held until their cascades end:
+        #: key -> [row, cascades left, whether a tier took it]
         self.staged: dict[bytes, list[object]] = {}
         self.running = 0
+        #: staged blocks no tier took: held by nothing once their cascades ended
+        self.dropped = 0
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -67,7 +70,7 @@ class Cascader:
                 assert copy is not None
                 src, rows = copy, idx
                 for i, k in zip(idx, sub_keys, strict=True):
-                    entry = self.staged.setdefault(k, [copy[i], 0])
+                    entry = self.staged.setdefault(k, [copy[i], 0, False])
                     entry[1] += 1  # type: ignore[operator]
             if self.running == 0:
                 self._idle = anyio.Event()
@@ -77,24 +80,28 @@ class Cascader:
 
     async def _run(self, gw: TierGateway, group: int, keys: list[bytes], src: torch.Tensor,
                    rows: list[int], slots: list[int] | None, nbytes: int) -> None:
+        ok = [False] * len(keys)
         try:
-            await gw.store(group, keys, src, rows, nbytes)
+            ok = await gw.store(group, keys, src, rows, nbytes)
         finally:
             with self._bridge.lock:
-                self._done(group, keys, slots)
+                self._done(group, keys, slots, ok)
 
-    def _done(self, group: int, keys: list[bytes], slots: list[int] | None) -> None:
+    def _done(self, group: int, keys: list[bytes], slots: list[int] | None, ok: list[bool]) -> None:
         if slots is not None:
             pool = self._pools[group]
             for s in slots:
                 pool.unpin(s)
         else:
-            for k in keys:
+            for k, stored in zip(keys, ok, strict=True):
                 entry = self.staged.get(k)
                 if entry is not None:
                     entry[1] -= 1  # type: ignore[operator]
+                    entry[2] = bool(entry[2]) or stored
                     if entry[1] <= 0:  # type: ignore[operator]
                         del self.staged[k]
+                        if not entry[2]:
+                            self.dropped += 1
         self.running -= 1
         if self.running == 0:
             self._bridge.set_event(self._idle)

@@ -20,21 +20,12 @@ from pydantic import (
 
 from tierkv.backends.base import TierConfig
 from tierkv.backends.registry import get_backend
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import ConfigError, TierKVError, format_validation_error
 from tierkv.layout import Layout
 
 __all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error"]
 
 ENV_PREFIX = "TIERKV_"
-
-
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem, each naming the key path, e.g. ``tiers.1.url: Field required``."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        lines.append(f"{loc or '<root>'}: {err['msg']}")
-    return "; ".join(lines)
 
 
 class StoreConfig(BaseModel):
@@ -62,6 +53,15 @@ class StoreConfig(BaseModel):
             super().__init__(**data)
         except ValidationError as exc:
             raise ConfigError(f"invalid store config: {format_validation_error(exc)}") from None
+
+    @field_validator("namespace")
+    @classmethod
+    def _utf8_namespace(cls, value: str) -> str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must encode as UTF-8 (it holds a lone surrogate)") from None
+        return value
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -113,7 +113,11 @@ class StoreConfig(BaseModel):
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as exc:
-                raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+                # the problem and where, never the offending text (it may be a secret)
+                mark = getattr(exc, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or type(exc).__name__
+                raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from None
         else:
             try:
                 data = json.loads(text)

@@ -8,6 +8,8 @@ working.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BackendError",
     "BackendNotFound",
@@ -19,6 +21,7 @@ __all__ = [
     "LayoutError",
     "StoreClosed",
     "TierKVError",
+    "format_validation_error",
 ]
 
 
@@ -76,3 +79,14 @@ class BackendNotFound(TierKVError, LookupError):
 
 class StoreClosed(TierKVError, RuntimeError):
     """The store is not open (used outside ``async with``) or was closed."""
+
+
+def format_validation_error(exc: Any, prefix: str = "") -> str:
+    """A pydantic ``ValidationError`` as one line per problem, each naming its key path (e.g.
+    ``tiers.1.url: Field required``), never the values given (they may hold credentials)."""
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False, include_context=False):
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{loc or '<root>'}: {msg}")
+    return "; ".join(lines)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from tierkv.errors import LayoutError
+from tierkv.errors import LayoutError, format_validation_error
 
 __all__ = ["CACHEABLE_KINDS", "GroupKind", "GroupSpec", "Layout"]
 
@@ -35,7 +35,7 @@ class GroupSpec(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise LayoutError(f"invalid group spec: {exc}") from None
+            raise LayoutError(f"invalid group spec: {format_validation_error(exc)}") from None
 
     @model_validator(mode="after")
     def _check(self) -> GroupSpec:
@@ -84,7 +84,7 @@ class Layout(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise LayoutError(f"invalid layout: {exc}") from None
+            raise LayoutError(f"invalid layout: {format_validation_error(exc)}") from None
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
@@ -127,9 +127,15 @@ class Layout(BaseModel):
 
         The same layout and namespace always give the same value; any change gives another.
         """
+        from tierkv.errors import ConfigError
+
+        try:
+            ns = namespace.encode("utf-8")
+        except (AttributeError, UnicodeEncodeError):
+            raise ConfigError("namespace must be a str that encodes as UTF-8 (no lone surrogates)") from None
         h = hashlib.sha256()
         h.update(b"tierkv-layout-v1\0")
-        h.update(namespace.encode("utf-8"))
+        h.update(ns)
         h.update(b"\0")
         h.update(self.canonical_json().encode("utf-8"))
         return h.hexdigest()[:32]

@@ -434,7 +434,8 @@ class TieredStore:
             lookups=dict(self._lookups), requests_active=len(self._admission.requests),
             admission_queue=len(self._admission.queue),
             promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
-            **self._counts)
+            **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
+                self._cascader.dropped if self._cascader is not None else 0)})
 
 
 async def _guarded(fn: Callable[[], Awaitable[None]]) -> None:

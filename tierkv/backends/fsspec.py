@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import anyio
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.fsio import Driver, RecordSource, SpecialFile, temp_owner_alive
@@ -94,9 +95,35 @@ class FsspecTierConfig(TierConfig):
     #: run on this many threads, so enough are in flight to keep a disk or NFS server busy
     io_depth: PositiveInt = 16
     #: temporary files older than this (of live or remote writers) are removed at start
-    stale_temp_s: float = 3600.0
+    stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
     scan_on_open: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _has_location(cls, v: str) -> str:
+        parts = urlsplit(v)
+        scheme = parts.scheme or "file"
+        if not v.strip() or (scheme in ("file", "local") and not (parts.netloc + parts.path).strip()):
+            raise ValueError(f"names no location: {redact_url(v)!r} (a path or an fsspec URL such as "
+                             "file:///var/cache/tierkv or s3://bucket/prefix)")
+        return v
+
+    @field_validator("elem_size")
+    @classmethod
+    def _elem_size(cls, v: int) -> int:
+        if not 1 <= v <= 255:
+            raise ValueError(f"must be 1..255 (bytes per value: 2 for bf16), got {v}")
+        return v
+
+    @field_validator("zstd_level")
+    @classmethod
+    def _zstd_level(cls, v: int) -> int:
+        import zstandard
+
+        if not -(1 << 17) <= v <= zstandard.MAX_COMPRESSION_LEVEL:
+            raise ValueError(f"must be a zstd level, -131072..{zstandard.MAX_COMPRESSION_LEVEL}, got {v}")
+        return v
 
     def __repr_args__(self) -> Any:
         """Fields for ``repr``/``str``: the URL without credentials, never the storage options."""
@@ -174,6 +201,49 @@ class Redactor:
         else:
             text = f"{type(exc).__name__}: {str(exc)[:300]}"
         return self(text)
+
+
+#: loggers of the libraries an fsspec tier drives: their records pass through the redactors of the
+#: open tiers (botocore logs access key ids and session tokens at DEBUG)
+_LIBRARY_LOGGERS = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3", "aiohttp",
+                              "gcsfs", "adlfs", "sshfs", "paramiko"})
+_redactors: weakref.WeakSet[Redactor] = weakref.WeakSet()
+
+
+def redact_library_logs(redactor: Redactor) -> None:
+    """Keep ``redactor``'s credentials out of the storage libraries' log records while it lives.
+
+    Installs (once) a log record factory that passes every record of those libraries' loggers,
+    message and formatted traceback, through the redactors of the tiers that hold credentials.
+    """
+    if not redactor.secrets:
+        return
+    _redactors.add(redactor)
+    current = logging.getLogRecordFactory()
+    if getattr(current, "_tierkv_redacts", False):
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = current(*args, **kwargs)
+        if _redactors and record.name.partition(".")[0] in _LIBRARY_LOGGERS:
+            try:
+                msg = record.getMessage()
+            except Exception:
+                return record
+            clean = msg
+            for r in list(_redactors):
+                clean = r(clean)
+            if clean != msg:
+                record.msg, record.args = clean, None
+            if record.exc_info:
+                text = logging.Formatter().formatException(record.exc_info)
+                for r in list(_redactors):
+                    text = r(text)
+                record.exc_text = text
+        return record
+
+    factory._tierkv_redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
 
 
 def _split_userinfo(url: str, protocol: str,
@@ -274,6 +344,7 @@ class FsspecTier(Tier):
         if config.capacity_bytes is not None and config.capacity_bytes <= 0:
             raise ConfigError(f"fsspec tier {redact_url(config.url)}: capacity_bytes must be > 0")
         self._redact = Redactor(config.url, config.storage_options)
+        redact_library_logs(self._redact)
         self._driver: Driver | None = None
         self.root = ""
         #: records this process knows of, least recently used first: path -> size

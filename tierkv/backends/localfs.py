@@ -299,6 +299,8 @@ class LocalDriver(Driver):
         if fd is None:
             return None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
             chunks, total = [], 0
             while total <= limit:
                 got = os.read(fd, min(limit + 1 - total, 1 << 22))

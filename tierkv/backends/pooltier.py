@@ -6,6 +6,7 @@ drives its pools directly. Used as a lower tier, it behaves like any other tier.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
 
@@ -13,7 +14,7 @@ import torch
 from pydantic import field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
-from tierkv.errors import ConfigError
+from tierkv.errors import CapacityError, ConfigError
 from tierkv.pool import PoolPlan, SlotPool, plan_pools, shared_pool_tensors
 
 __all__ = ["CpuTier", "CpuTierConfig", "DeviceTier", "DeviceTierConfig", "PoolTier"]
@@ -56,6 +57,7 @@ class PoolTier(Tier):
         super().__init__(config, context)
         self.pools: dict[int, SlotPool] = {}
         self.plan: PoolPlan | None = None
+        self._shm_fd: int | None = None
 
     def _device(self) -> torch.device:
         return torch.device("cpu")
@@ -73,22 +75,55 @@ class PoolTier(Tier):
         if self.config.shm_path is not None:
             if device.type != "cpu":
                 raise ConfigError(f"tier {self.kind!r}: shm_path needs a cpu pool, not {device}")
-            shared = shared_pool_tensors(self.config.shm_path, self.plan)
-        self.pools = {
-            p.group: SlotPool(p.group, p.block_bytes, p.slots, device, self.context.policy,
-                              tensor=None if shared is None else shared[p.group])
-            for p in self.plan.groups
-        }
+            self._lock_shm(self.config.shm_path)
+            try:
+                shared = shared_pool_tensors(self.config.shm_path, self.plan)
+            except (OSError, RuntimeError) as exc:
+                self._unlock_shm()
+                path, size = self.config.shm_path, self.plan.total_bytes
+                raise CapacityError(f"tier {self.kind!r}: cannot map the shared pool at {path} "
+                                    f"({size} bytes): {exc}") from None
+        pools = {}
+        for p in self.plan.groups:
+            try:
+                pools[p.group] = SlotPool(p.group, p.block_bytes, p.slots, device, self.context.policy,
+                                          tensor=None if shared is None else shared[p.group])
+            except (RuntimeError, MemoryError, OverflowError) as exc:
+                self._unlock_shm()
+                raise CapacityError(
+                    f"tier {self.kind!r}: cannot allocate the pool of group {p.group} ({p.slots} slots x "
+                    f"{p.block_bytes} bytes = {p.bytes} bytes): {str(exc).splitlines()[0][:200]}") from None
+        self.pools = pools
+
+    def _lock_shm(self, path: str) -> None:
+        """Hold an exclusive lock on the shared pool file while open: a second store given the same
+        ``shm_path`` would share (and serve) this one's slots, and delete its file on close."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"shm_path {path} is in use by another open store: give each store its own"
+                              " shm_path") from None
+        self._shm_fd = fd
+
+    def _unlock_shm(self) -> None:
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)  # releases the lock
+            self._shm_fd = None
 
     async def close(self) -> None:
         """Drop the pools (and the shared file, when this tier owns it)."""
         self.pools = {}
         assert isinstance(self.config, CpuTierConfig)
+        if self._shm_fd is None:
+            return  # never opened, or refused at open: the file is another store's
         if self.config.shm_path is not None and self.config.shm_owner:
             try:
                 os.unlink(self.config.shm_path)
             except FileNotFoundError:
                 pass
+        self._unlock_shm()
 
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Write blocks into slots, evicting as needed; keys without a slot are not stored."""

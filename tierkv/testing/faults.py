@@ -14,10 +14,11 @@ from typing import Any, Literal
 
 import anyio
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.registry import get_backend
+from tierkv.errors import TierKVError, format_validation_error
 
 __all__ = ["FaultyTier", "FaultyTierConfig", "SlowDown", "make_error"]
 
@@ -45,10 +46,24 @@ class FaultyTierConfig(TierConfig):
     kind: str = "faulty"
     #: the wrapped tier's config (hidden from reprs: it may carry credentials)
     inner: dict[str, Any] = Field(repr=False)
-    fail_every: int = 0
+    fail_every: int = Field(default=0, ge=0)
     error: Literal["ENOSPC", "EIO", "EACCES", "SlowDown"] = "EIO"
     ops: list[Op] = Field(default_factory=lambda: list[Op](["put", "get", "contains"]))
-    delay_s: float = 0.0
+    delay_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("inner")
+    @classmethod
+    def _valid_inner(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """The wrapped tier's config is checked now, with its own model (errors name ``inner.*``)."""
+        if "kind" not in v:
+            raise ValueError("needs a 'kind'")
+        try:
+            get_backend(str(v["kind"])).config_model.model_validate(v)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "inner")) from None
+        except TierKVError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
 
 class FaultyTier(Tier):
