@@ -192,6 +192,10 @@ class Driver:
 
         return check_all() if nbytes <= INLINE_BYTES else await self.compute(check_all)
 
+    async def touch_many(self, paths: list[str]) -> None:
+        """Refresh the modification time of existing files (absent ones are ignored); drivers that
+        cannot do it cheaply leave it."""
+
     async def write_small(self, path: str, data: bytes) -> None:
         """Publish a small file atomically (namespace manifests)."""
         errs = await self.write_many([(path, data)])

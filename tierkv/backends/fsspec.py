@@ -29,7 +29,6 @@ import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -40,6 +39,7 @@ import torch
 from pydantic import Field, PositiveInt, field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.capacity import Ledger
 from tierkv.backends.fsio import Driver, RecordSource, SpecialFile, temp_owner_alive
 from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
@@ -52,7 +52,7 @@ from tierkv.backends.namespace import (
     namespace_path,
     record_path,
 )
-from tierkv.backends.remotefs import AsyncDriver, SyncDriver
+from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.record import (
     FIXED_HEADER_LEN,
@@ -98,6 +98,19 @@ class FsspecTierConfig(TierConfig):
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
     scan_on_open: bool = True
+    #: with ``capacity_bytes``: list the namespace again this often (and whenever this process has
+    #: written ``rescan_fraction`` of the capacity since the last listing), so that processes
+    #: sharing the tier bound it together; 0: only at start
+    rescan_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    rescan_fraction: float = Field(default=0.05, gt=0, le=1, allow_inf_nan=False)
+    #: a record read is refreshed on storage (its time, the eviction order) at most this often
+    touch_after_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    #: remote file systems (S3...): each request's deadline, and how often transient failures (503
+    #: SlowDown, a 500, a dropped connection, a timeout) are tried again, with jittered backoff,
+    #: within ``retry_budget_s``; then the request counts as failed
+    request_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    retry_attempts: PositiveInt = 4
+    retry_budget_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
 
     @field_validator("url")
     @classmethod
@@ -270,8 +283,16 @@ def default_io_threads(*, local: bool) -> int:
     return max(2, min(8, os.cpu_count() or 2)) if local else 4
 
 
+#: s3fs client settings tierkv uses unless the storage options set them: one attempt per request
+#: (tierkv retries transient failures itself, within a bound) and timeouts that let a dead or hung
+#: server fail a request in seconds, not minutes
+S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                "connect_timeout": 5, "read_timeout": 30}
+
+
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
-                threads: int | None, fsync: bool, depth: int = 16) -> tuple[Driver, str]:
+                threads: int | None, fsync: bool, depth: int = 16,
+                retry: RetryPolicy | None = None) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
@@ -304,10 +325,15 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     except Exception:
         from_url = {}
     options = {**from_url, **storage_options}
+    s3 = protocol in ("s3", "s3a")
+    if s3:
+        options["config_kwargs"] = {**S3_FAIL_FAST, **dict(options.get("config_kwargs") or {})}
     if getattr(cls, "async_impl", False):
         fs = cls(asynchronous=True, skip_instance_cache=True, **options)
+        if s3 and "retries" not in storage_options:
+            fs.retries = 1  # s3fs's own retry loop (on top of botocore's): tierkv's bounds instead
         root = cls._strip_protocol(url).rstrip("/")
-        return AsyncDriver(limiter, fs), root
+        return AsyncDriver(limiter, fs, retry), root
     fs = cls(skip_instance_cache=True, **options)
     root = "/" + cls._strip_protocol(url).strip("/")
     return SyncDriver(limiter, fs, inline=protocol == "memory"), root
@@ -347,11 +373,11 @@ class FsspecTier(Tier):
         redact_library_logs(self._redact)
         self._driver: Driver | None = None
         self.root = ""
-        #: records this process knows of, least recently used first: path -> size
-        self._known: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
+        #: the records known (listed, written, read), least recently used first
+        self._ledger = Ledger(config.capacity_bytes, config.touch_after_s, config.rescan_fraction)
         self._evicting = False
         self._scan_done = anyio.Event()
+        self._list_now = anyio.Event()
 
     def describe(self) -> str:
         """The URL without credentials."""
@@ -387,8 +413,11 @@ class FsspecTier(Tier):
         """
         limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
-            self._driver, self.root = open_driver(self.cfg.url, self.cfg.storage_options, limiter,
-                                                  self.cfg.io_threads, self.cfg.fsync, self.cfg.io_depth)
+            cfg = self.cfg
+            retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
+                                timeout_s=cfg.request_timeout_s)
+            self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
+                                                  cfg.fsync, cfg.io_depth, retry)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await self._write_manifest()
@@ -424,30 +453,45 @@ class FsspecTier(Tier):
                 self._driver = None
 
     async def background(self) -> None:
-        """Rebuild capacity accounting and remove stale temporary files (the store runs this)."""
+        """Rebuild capacity accounting and remove stale temporary files (the store runs this); with
+        ``capacity_bytes``, list the namespace again every ``rescan_s`` (sooner after this process
+        wrote ``rescan_fraction`` of the capacity), so processes sharing the tier bound it together."""
         if self.cfg.scan_on_open:
             await self.scan()
         self._scan_done.set()
+        if self.cfg.capacity_bytes is None or self.cfg.rescan_s <= 0:
+            return
+        while True:
+            with anyio.move_on_after(self.cfg.rescan_s):
+                await self._list_now.wait()
+            self._list_now = anyio.Event()
+            await self.scan()
 
     async def close(self) -> None:
-        """Close connections."""
-        if self._driver is not None:
-            driver, self._driver = self._driver, None
-            await driver.close()
+        """Close connections; a tier that wrote since its last listing lists (and evicts) once more
+        first, so the last of the processes sharing it to stop leaves it within capacity."""
+        if self._driver is None:
+            return
+        if self.cfg.capacity_bytes is not None and self._ledger.written:
+            with anyio.move_on_after(30):
+                await self.scan()
+        driver, self._driver = self._driver, None
+        await driver.close()
 
     async def wait_scanned(self) -> None:
         """Wait until :meth:`background` has rebuilt capacity accounting (it must be running)."""
         await self._scan_done.wait()
 
     async def scan(self) -> None:
-        """List the namespace: account for records already there, remove stale temporaries.
+        """List the namespace: account for the records there (those of every process sharing the
+        tier), remove stale temporaries, evict down to capacity, oldest first.
 
         Temporary files whose writer is known dead (same host, pid gone) are removed at once;
-        those of live or remote writers once older than ``stale_temp_s``. Records are added to
-        the LRU oldest first (by modification time), then the tier is evicted down to capacity.
-        Entries that cannot be listed (vanished, unreadable) are skipped, never fatal.
+        those of live or remote writers once older than ``stale_temp_s``. Entries that cannot be
+        listed (vanished, unreadable) are skipped, never fatal.
         """
         try:
+            started = time.time()
             listing = classify(self.root, await self.driver.listdir(self.ns_root))
             now = time.time()
             stale = []
@@ -458,17 +502,10 @@ class FsspecTier(Tier):
             if stale:
                 await self.driver.delete_many(stale)
                 self.count("temp_removed", len(stale))
-            found = sorted((e.mtime, e.path, e.size)
-                           for e, rel in listing.records.get(self.context.fingerprint, [])
-                           if is_record_name(rel.rpartition("/")[2]))
-            older: OrderedDict[str, int] = OrderedDict()
-            for _, path, size in found:
-                if path not in self._known:
-                    older[path] = size
-            self._used += sum(older.values())
-            older.update(self._known)
-            self._known = older
-            self.count("scanned", len(found))
+            found = self._ledger.rebuild(((e.mtime, e.path, e.size)
+                                          for e, rel in listing.records.get(self.context.fingerprint, [])
+                                          if is_record_name(rel.rpartition("/")[2])), started)
+            self.count("scanned", found)
             await self._evict()
         except Exception as exc:
             self._warn("scanning the namespace", exc)
@@ -476,30 +513,12 @@ class FsspecTier(Tier):
         finally:
             self._scan_done.set()
 
-    def _remember(self, path: str, size: int) -> None:
-        old = self._known.pop(path, None)
-        if old is not None:
-            self._used -= old
-        self._known[path] = size
-        self._used += size
-
-    def _forget(self, path: str) -> None:
-        old = self._known.pop(path, None)
-        if old is not None:
-            self._used -= old
-
     async def _evict(self) -> None:
-        cap = self.cfg.capacity_bytes
-        if cap is None or self._evicting:
+        if self._evicting:
             return
         self._evicting = True
         try:
-            while self._used > cap and self._known:
-                victims = []
-                while self._used > cap and self._known:
-                    path, size = self._known.popitem(last=False)
-                    self._used -= size
-                    victims.append(path)
+            while victims := self._ledger.victims():
                 try:
                     await self.driver.delete_many(victims)
                 except Exception as exc:
@@ -532,6 +551,7 @@ class FsspecTier(Tier):
             return parts
 
         results = await self.driver.write_each(paths, encode, rows.nbytes)
+        now = time.time()
         ok = [False] * len(keys)
         too_large = 0
         for i, res in enumerate(results):
@@ -541,10 +561,12 @@ class FsspecTier(Tier):
             elif res is None:
                 too_large += 1
             else:
-                self._remember(paths[i], res)
+                self._ledger.wrote(paths[i], res, now)
                 ok[i] = True
         if too_large:
             self.count("too_large", too_large)
+        if self._ledger.wants_listing():
+            self._list_now.set()
         await self._evict()
         return ok
 
@@ -606,24 +628,22 @@ class FsspecTier(Tier):
             return self._read_into(keys[i], np_out[i], heads, src)
 
         verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes)
-        found, corrupt = [], []
+        found, corrupt, touch = [], [], []
         learned = False
+        now = time.time()
         for path, k, v in zip(paths, keys, verdicts, strict=True):
             if isinstance(v, int):
                 found.append(True)
-                if path in self._known:
-                    self._known.move_to_end(path)
-                else:
-                    # written by another process (or before a restart, not scanned yet)
-                    self._remember(path, v)
-                    learned = True
+                learned = learned or path not in self._ledger  # another process's, or not listed yet
+                if self._ledger.read(path, v, now):
+                    touch.append(path)
                 continue
             found.append(False)
             if isinstance(v, BaseException):
                 self.count("read_errors")
                 self._warn("reading a record", v)
             elif v is None:
-                self._forget(path)
+                self._ledger.forget(path)
             else:
                 self.count("corrupt")
                 self.count(f"corrupt_{v}")
@@ -631,12 +651,17 @@ class FsspecTier(Tier):
                 corrupt.append(path)
         if corrupt:
             for path in corrupt:
-                self._forget(path)
+                self._ledger.forget(path)
             try:
                 await self.driver.delete_many(corrupt)
                 self.count("corrupt_removed", len(corrupt))
             except Exception as exc:
                 self._warn("removing corrupt records", exc)
+        if touch and self.cfg.capacity_bytes is not None:
+            try:
+                await self.driver.touch_many(touch)
+            except Exception as exc:
+                self._warn("refreshing records", exc)
         if learned:
             await self._evict()
         return found
@@ -652,7 +677,7 @@ class FsspecTier(Tier):
         """Remove records."""
         paths = [self.path(k) for k in keys]
         for p in paths:
-            self._forget(p)
+            self._ledger.forget(p)
         try:
             await self.driver.delete_many(paths)
         except Exception as exc:
@@ -682,4 +707,7 @@ class FsspecTier(Tier):
 
     def used_bytes(self) -> int:
         """Bytes of the records this process knows of (all of them once the scan is done)."""
-        return self._used
+        retries = getattr(self._driver, "retries", 0)
+        if retries:
+            self.counters["retries"] = retries
+        return self._ledger.used

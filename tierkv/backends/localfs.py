@@ -324,6 +324,18 @@ class LocalDriver(Driver):
         """One worker thread stats the whole batch."""
         return await self.run(lambda: [os.path.isfile(p) for p in paths])
 
+    async def touch_many(self, paths: list[str]) -> None:
+        """``os.utime`` in a worker thread."""
+
+        def touch() -> None:
+            for p in paths:
+                try:
+                    os.utime(p, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+
+        await self.run(touch)
+
     async def delete_many(self, paths: list[str]) -> None:
         """Unlink in a worker thread."""
         def unlink_all() -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import errno
+import random
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 
 from tierkv.backends.fsio import Driver, Entry, abs_path, info_mtime, temp_name
 
-__all__ = ["AsyncDriver", "SyncDriver"]
+__all__ = ["AsyncDriver", "RetryPolicy", "SyncDriver", "transient"]
 
 T = TypeVar("T")
 
@@ -88,12 +91,68 @@ class SyncDriver(Driver):
         return await self._call(find)
 
 
-class AsyncDriver(Driver):
-    """An asynchronous fsspec file system (s3fs): concurrent requests, one PUT per record."""
+#: errno values of transient server trouble, as s3fs translates it (503 SlowDown is EBUSY, a 500 is
+#: EREMOTEIO) and as sockets report it
+_TRANSIENT_ERRNO = frozenset({errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ECONNRESET,
+                              errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE})
+#: botocore / aiohttp exceptions of a dead, hung or dropping server (matched by class name, so that
+#: neither library is imported here)
+_TRANSIENT_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                              "ConnectTimeoutError", "ConnectionError", "ClientPayloadError",
+                              "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
+                              "ProxyConnectionError", "TimeoutError", "IncompleteReadError"})
 
-    def __init__(self, limiter: anyio.CapacityLimiter, fs: Any) -> None:
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth a retry: the server was slow, busy, unreachable or dropped us."""
+    if isinstance(exc, FileNotFoundError | PermissionError):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
+        return True
+    return any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a remote request is retried: transient errors only, with jittered exponential backoff,
+    at most ``attempts`` tries and ``budget_s`` seconds in all; every try has ``timeout_s``."""
+
+    attempts: int = 4
+    base_s: float = 0.1
+    cap_s: float = 2.0
+    budget_s: float = 10.0
+    timeout_s: float = 60.0
+
+
+class AsyncDriver(Driver):
+    """An asynchronous fsspec file system (s3fs): concurrent requests, one PUT per record.
+
+    Each request has a deadline and transient failures (503 SlowDown, a 500, a dropped or refused
+    connection, a timeout) are retried with jittered backoff within :class:`RetryPolicy`'s bounds,
+    then returned as that request's error: the gateway counts it, nothing hangs.
+    """
+
+    def __init__(self, limiter: anyio.CapacityLimiter, fs: Any, retry: RetryPolicy | None = None) -> None:
         super().__init__(limiter)
         self.fs = fs
+        self.retry = retry or RetryPolicy()
+        self.retries = 0
+
+    async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        policy = self.retry
+        deadline = time.monotonic() + policy.budget_s
+        for attempt in range(policy.attempts):
+            try:
+                with anyio.fail_after(policy.timeout_s):
+                    return await fn(*args)
+            except Exception as exc:
+                left = deadline - time.monotonic()
+                if attempt + 1 >= policy.attempts or not transient(exc) or left <= 0:
+                    raise
+                self.retries += 1
+                backoff = min(policy.cap_s, policy.base_s * 2 ** attempt)
+                await anyio.sleep(min(left, random.uniform(0, backoff)))  # full jitter
+        raise AssertionError("unreachable")
 
     async def _gather(self, fn: Callable[..., Any], args: list[tuple[Any, ...]],
                       absent_ok: bool = True) -> list[Any]:
@@ -107,7 +166,7 @@ class AsyncDriver(Driver):
         async def one(i: int) -> None:
             async with self.limiter:
                 try:
-                    results[i] = await fn(*args[i])
+                    results[i] = await self._attempt(fn, args[i])
                 except FileNotFoundError as exc:
                     results[i] = None if absent_ok else exc
                 except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
@@ -149,14 +208,31 @@ class AsyncDriver(Driver):
         res = await self._gather(self.fs._exists, [(p,) for p in paths])
         return [r is True for r in res]
 
+    async def touch_many(self, paths: list[str]) -> None:
+        """S3: an in-place copy with new metadata (its LastModified becomes now); other stores: no-op."""
+        call = getattr(self.fs, "_call_s3", None)
+        if call is None:
+            return
+
+        async def touch(path: str) -> None:
+            bucket, _, key = path.partition("/")
+            await call("copy_object", CopySource={"Bucket": bucket, "Key": key}, Bucket=bucket, Key=key,
+                       MetadataDirective="REPLACE", Metadata={"tierkv-touched": f"{time.time():.0f}"})
+
+        await self._gather(touch, [(p,) for p in paths])
+
     async def delete_many(self, paths: list[str]) -> None:
         """DELETE requests."""
         await self._gather(self.fs._rm_file, [(p,) for p in paths])
 
     async def listdir(self, root: str) -> list[Entry]:
         """A recursive listing."""
+        async def find() -> dict[str, Any]:
+            found: dict[str, Any] = await self.fs._find(root, detail=True)
+            return found
+
         try:
-            found = await self.fs._find(root, detail=True)
+            found = await self._attempt(find, ())
         except FileNotFoundError:
             return []
         return [Entry(p, int(i.get("size") or 0), info_mtime(i)) for p, i in found.items()]
