@@ -50,6 +50,10 @@ class Request:
     waiting: int = 0
     stale: bool = False
     answer_version: int | None = None
+    #: since when its current prefix has been PENDING, how long it may be, and whether it gave up
+    pending_since: float | None = None
+    deadline_s: float = 60.0
+    gave_up: bool = False
 
     @property
     def named(self) -> bool:

@@ -47,6 +47,13 @@ class StoreConfig(BaseModel):
     admission: Literal["queue", "naive"] = "queue"
     #: pins a request holds are dropped when it has made no call for this long
     pin_lease_s: PositiveFloat = 300.0
+    #: the engine's prefill throughput (tokens/s), for the cost model: a prefix is loaded from a lower
+    #: tier only as far as loading beats recomputing it (engine adapters may measure and set it)
+    recompute_tokens_per_s: PositiveFloat | None = None
+    cost_model: bool = True
+    #: no request stays PENDING longer than this; past it, what is not ready is a MISS (unset: the
+    #: recompute time of what it waits for, with the cost model on, else 60 s)
+    max_pending_s: PositiveFloat | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -137,7 +144,8 @@ class StoreConfig(BaseModel):
         data: dict[str, Any] = dict(base or {})
         if env.get(f"{ENV_PREFIX}CONFIG"):
             data.update(cls.from_file(env[f"{ENV_PREFIX}CONFIG"]).model_dump())
-        for name in ("namespace", "max_concurrent_requests", "policy", "pin_lease_s"):
+        for name in ("namespace", "max_concurrent_requests", "policy", "pin_lease_s",
+                     "recompute_tokens_per_s", "max_pending_s"):
             val = env.get(ENV_PREFIX + name.upper())
             if val is not None:
                 data[name] = val

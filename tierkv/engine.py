@@ -27,7 +27,7 @@ from tierkv.admission import Admission
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
-from tierkv.lookup import KeyState, Resolver, Work
+from tierkv.lookup import KeyState, Lookup, Resolver, Work
 from tierkv.pool import SlotPool, SlotState
 
 __all__ = ["EngineSlots", "EvictionListener", "Reservation"]
@@ -105,9 +105,22 @@ class EngineSlots:
         if s is not None and pool.state[s] is SlotState.READY:
             self._admission.pin(req, group, key, s)
             return KeyState.READY
+        if req.gave_up:
+            return KeyState.MISS
         states, work = self._resolver.states(group, [key], req)
         self._start(work)
-        return states[0]
+        state = states[0]
+        if state.lookup is Lookup.PENDING:
+            now = self._admission.clock()
+            if req.pending_since is None:
+                req.pending_since = now
+            elif now - req.pending_since > self._resolver.cost.deadline_s(req.waiting):
+                # PENDING past its deadline: the request recomputes from here (its promotions go on)
+                req.gave_up = True
+                self._resolver.cost.deadline_misses += 1
+                self._admission.unpin(req, key)
+                return KeyState.MISS
+        return state
 
     @locked
     def ready_slots(self, group: int, keys: list[bytes]) -> list[int | None]:

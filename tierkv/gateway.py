@@ -165,6 +165,8 @@ class TierGateway:
         self._read_samples = 0
         self._busy_since = 0.0
         self._loads_running = 0
+        #: bytes of loads asked for and not landed yet (in flight or waiting for the budget)
+        self.load_backlog_bytes = 0
         self.stats = TierStats(index=index, kind=tier.kind, describe=tier.describe())
         self._presence: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         #: keys whose presence is being probed now
@@ -353,11 +355,18 @@ class TierGateway:
                 self._load_budget.release(nbytes)
 
         plans = plan_rows(rows, block, min(LOAD_BATCH_BYTES, max(block, self.cfg.max_inflight_bytes // 4)))
-        async with anyio.create_task_group() as tg:
-            for plan in plans:
-                nbytes = len(plan.positions) * block
-                await self._load_budget.acquire(nbytes)  # in order: early blocks are read first
-                tg.start_soon(budgeted, plan, nbytes)
+        total = len(keys) * block
+        with self._lock:
+            self.load_backlog_bytes += total
+        try:
+            async with anyio.create_task_group() as tg:
+                for plan in plans:
+                    nbytes = len(plan.positions) * block
+                    await self._load_budget.acquire(nbytes)  # in order: early blocks are read first
+                    tg.start_soon(budgeted, plan, nbytes)
+        finally:
+            with self._lock:
+                self.load_backlog_bytes -= total
         return ok
 
     @property

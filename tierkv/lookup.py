@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.admission import Admission, Promotion, Request, Want
+from tierkv.costmodel import CostModel
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
@@ -84,8 +85,10 @@ class Resolver:
     """Lookups over the store's state (call under the store's lock)."""
 
     def __init__(self, layout: Layout, pools: Mapping[int, SlotPool], gateways: Sequence[TierGateway],
-                 admission: Admission, staged: Collection[bytes], promoting: Collection[bytes]) -> None:
+                 admission: Admission, staged: Collection[bytes], promoting: Collection[bytes],
+                 cost: CostModel | None = None) -> None:
         self.layout = layout
+        self.cost = cost if cost is not None else CostModel(layout.tokens_per_block, None, None)
         self.pools = pools
         self.gateways = gateways
         self.admission = admission
@@ -171,10 +174,22 @@ class Resolver:
 
     def prefix(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
         """The longest usable prefix over every prefix-cacheable group (docs/design.md)."""
+        now = time.monotonic()
         if req.last_hashes is None or req.last_hashes != hashes:
             req.last_hashes = list(check_hashes(hashes))
             req.last_keys = {}
             req.last_answer = None
+            req.pending_since = None
+            req.gave_up = False
+        elif req.gave_up or (req.pending_since is not None and now - req.pending_since > req.deadline_s):
+            # PENDING past its deadline: what is ready is a HIT, the rest a MISS (recomputed); its
+            # promotions go on and stay cached for later requests
+            if not req.gave_up:
+                req.gave_up = True
+                self.cost.deadline_misses += 1
+                self._unpin_unready(req)
+            req.last_answer = None
+            return self._ready_prefix(req.last_hashes, req), Work()
         elif req.last_answer is not None:
             # the same prefix, asked again while what it waits for is still on its way: its own
             # promotions stream in (none failed; its blocks are pinned), or the presence probes it
@@ -187,13 +202,45 @@ class Resolver:
         req.last_answer = None
         req.answer_version = None
         if req.named and answer.state is Lookup.PENDING:
+            if req.pending_since is None:
+                req.pending_since = now
+            req.deadline_s = self.cost.deadline_s(req.waiting)
             if req.waiting > 0:
                 req.last_answer = answer
             elif probing and req.rid not in self.admission.queue:
                 req.last_answer = answer
                 req.answer_version = self._version()
+        elif answer.state is not Lookup.PENDING:
+            req.pending_since = None
         req.stale = False
         return answer, work
+
+    def _unpin_unready(self, req: Request) -> None:
+        """Drop ``req``'s pins on blocks not ready yet (it will not wait for them any more)."""
+        for key, g in list(req.pins.items()):
+            s = self.pools[g].index.get(key)
+            if s is None or self.pools[g].state[s] is not SlotState.READY:
+                self.admission.unpin(req, key)
+
+    def _ready_prefix(self, hashes: list[bytes], req: Request) -> PrefixLookup:
+        """The longest prefix whose needed blocks are all READY in the primary (pinned for ``req``)."""
+
+        def ready(g: int, i: int) -> bool:
+            pool = self.pools[g]
+            s = pool.index.get(hashes[i] + self._tails[g])
+            return s is not None and pool.state[s] is SlotState.READY
+
+        n = len(hashes)
+        for g in self._full:
+            upper = min(n, self._capacity[g])
+            n = next((i for i in range(upper) if not ready(g, i)), upper)
+        k = self._longest(n, ready) if self._other else n
+        for g, rng in needed_blocks(self.layout, k).items():
+            pool = self.pools[g]
+            for i in rng:
+                key = hashes[i] + self._tails[g]
+                self.admission.pin(req, g, key, pool.index[key])
+        return PrefixLookup(k, Lookup.HIT if k else Lookup.MISS)
 
     def _statuses(self, group: int, keys: list[bytes], slots: list[int | None], now: float,
                   work: Work) -> list[int]:
@@ -285,6 +332,12 @@ class Resolver:
             work.probes.clear()
         if known == 0:
             return PrefixLookup(0, Lookup.PENDING if maybe else Lookup.MISS), work, probing
+        if self.cost.active:
+            chosen = self._by_cost(known, resident, status)
+            if chosen < known:
+                known = maybe = chosen  # the rest is recomputed: nothing to wait for there
+                if known == 0:
+                    return PrefixLookup(0, Lookup.MISS), Work(), False
 
         all_ready = True
         wants: dict[int, list[Want]] = {}
@@ -323,6 +376,43 @@ class Resolver:
                 work.promotions += started
         state = Lookup.HIT if all_ready and maybe == known else Lookup.PENDING
         return PrefixLookup(known, state), work, probing
+
+    def _by_cost(self, usable: int, resident: Mapping[int, list[int | None]],
+                 status: Callable[[int, int], int]) -> int:
+        """The prefix length worth loading, by :class:`~tierkv.costmodel.CostModel`."""
+        gws = self.gateways
+        rate = [max(gw.read_bytes_per_s, 1.0) for gw in gws]
+        first_use: dict[int, int] = {}
+
+        def cost(g: int, i: int, k: int) -> float:
+            st = status(g, i)
+            if st < _TIER:
+                return 0.0
+            p = st - (_MAYBE if st >= _MAYBE else _TIER)
+            first_use.setdefault(p, k)
+            return self.layout.groups[g].block_bytes / rate[p]
+
+        full = [0.0] * usable
+        any_load = False
+        for g in self._full:
+            slots = resident[g]
+            for i in range(usable):
+                if i < len(slots) and slots[i] is not None:
+                    continue
+                c = cost(g, i, i + 1)
+                full[i] += c
+                any_load = any_load or c > 0
+
+        def other(k: int) -> float:
+            return sum(cost(g, i, k) for g in self._other for i in self.layout.groups[g].blocks_needed(k))
+
+        if not any_load and not other(usable):
+            return usable
+
+        def queue(k: int) -> float:
+            return sum(gws[p].load_backlog_bytes / rate[p] for p, first in first_use.items() if first <= k)
+
+        return self.cost.choose(usable, full, other, queue).blocks
 
     def _may_guess(self, k: int, status: Callable[[int, int], int]) -> bool:
         """Whether the blocks a prefix of ``k`` needs that are not resident all sit on lower tiers

@@ -9,8 +9,8 @@ from pydantic import BaseModel, Field
 
 from tierkv.pool import PoolPlan
 
-__all__ = ["GroupStats", "Metric", "StoreStats", "TierStats", "all_metrics", "samples", "tier_samples",
-           "to_prometheus"]
+__all__ = ["CostStats", "GroupStats", "Metric", "StoreStats", "TierStats", "all_metrics", "samples",
+           "tier_samples", "to_prometheus"]
 
 
 class TierStats(BaseModel):
@@ -58,6 +58,17 @@ class GroupStats(BaseModel):
     evictions: int
 
 
+class CostStats(BaseModel):
+    """The cost model: its recompute rate, how many choices it made, what it sent to recompute."""
+
+    recompute_tokens_per_s: float | None = None
+    decisions: int = 0
+    #: blocks that could have been loaded but were cheaper to recompute
+    blocks_recomputed: int = 0
+    #: the last choice: blocks, usable, load_s, recompute_s
+    last: dict[str, float] | None = None
+
+
 class StoreStats(BaseModel):
     """Everything ``TieredStore.stats()`` reports."""
 
@@ -74,6 +85,9 @@ class StoreStats(BaseModel):
     #: blocks evicted from the primary while no lower tier held them (gone from every tier)
     evictions_unbacked: int
     leases_expired: int
+    cost: CostStats = Field(default_factory=CostStats)
+    #: requests that stayed PENDING past their deadline and recomputed what was not ready
+    pending_deadline_miss: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,8 @@ STORE_METRICS: dict[str, Metric] = {
     "evictions_unbacked": Metric("evictions_unbacked_total", "counter",
                                  "Blocks evicted from the primary while no lower tier held them"),
     "leases_expired": Metric("leases_expired_total", "counter", "Requests whose pins expired"),
+    "pending_deadline_miss": Metric("pending_deadline_miss_total", "counter",
+                                    "Requests PENDING past their deadline (they recomputed)"),
 }
 LOOKUPS = Metric("lookups_total", "counter", "Lookup answers", ("state",))
 

@@ -34,13 +34,14 @@ from tierkv.backends.registry import get_backend
 from tierkv.bridge import LoopBridge, locked
 from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
+from tierkv.costmodel import CostModel
 from tierkv.engine import EngineSlots, Reservation
 from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
-from tierkv.metrics import GroupStats, StoreStats, TierStats
+from tierkv.metrics import CostStats, GroupStats, StoreStats, TierStats
 from tierkv.pool import SlotPool, plan_pools
 from tierkv.promotion import Promoter
 from tierkv.reader import Reader
@@ -87,6 +88,9 @@ class TieredStore:
         self._reader: Reader | None = None
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
+        cfg = self.config
+        self._cost = CostModel(self.layout.tokens_per_block, cfg.recompute_tokens_per_s, cfg.max_pending_s,
+                               enabled=cfg.cost_model)
         self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0,
                         "evictions_unbacked": 0, "leases_expired": 0}
 
@@ -120,7 +124,7 @@ class TieredStore:
         self._cascader = Cascader(self._bridge, self._pools, self._gateways, self._changed)
         self._promoter = Promoter(self._bridge, self._pools, self._gateways, self._admission, self._changed)
         self._resolver = Resolver(self.layout, self._pools, self._gateways, self._admission,
-                                  self._cascader.staged, self._promoter.promoting)
+                                  self._cascader.staged, self._promoter.promoting, self._cost)
         self._engine = EngineSlots(lock=lock, layout=self.layout, pools=self._pools,
                                    admission=self._admission, resolver=self._resolver,
                                    check_open=self._check_open, start=self._promoter.start,
@@ -378,6 +382,10 @@ class TieredStore:
             yield rows
 
     # ---- state ----------------------------------------------------------------------------------
+    def set_recompute_rate(self, tokens_per_s: float) -> None:
+        """Tell the cost model the engine's prefill throughput (tokens/s), e.g. as measured."""
+        self._cost.set_rate(tokens_per_s)
+
     @locked
     def has_pending_work(self) -> bool:
         """True while cascades, promotions, probes or queued requests are in flight."""
@@ -433,6 +441,10 @@ class TieredStore:
             plan=plan, tiers=[prim] + [gw.snapshot() for gw in self._gateways], groups=groups,
             lookups=dict(self._lookups), requests_active=len(self._admission.requests),
             admission_queue=len(self._admission.queue),
+            cost=CostStats(recompute_tokens_per_s=self._cost.rate, decisions=self._cost.decisions,
+                           blocks_recomputed=self._cost.blocks_recomputed,
+                           last=None if self._cost.last is None else self._cost.last.__dict__),
+            pending_deadline_miss=self._cost.deadline_misses,
             promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
                 self._cascader.dropped if self._cascader is not None else 0)})

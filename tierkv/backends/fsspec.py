@@ -108,7 +108,7 @@ class FsspecTierConfig(TierConfig):
     #: remote file systems (S3...): each request's deadline, and how often transient failures (503
     #: SlowDown, a 500, a dropped connection, a timeout) are tried again, with jittered backoff,
     #: within ``retry_budget_s``; then the request counts as failed
-    request_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    request_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     retry_attempts: PositiveInt = 4
     retry_budget_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
 

@@ -1,0 +1,107 @@
+"""Restore only when it beats recompute: the cost model and the deadline on PENDING.
+
+The engine recomputes a prefix at ``recompute_tokens_per_s`` (prefill throughput: a config value,
+or measured by an engine adapter and set with :meth:`CostModel.set_rate`). Each lower tier's
+gateway measures its read rate (bytes/s; a configured prior until the first load) and knows the
+bytes already queued for loading ahead of a new request. For a request that would load blocks,
+:meth:`CostModel.choose` picks the prefix length ``k`` that maximises the time saved::
+
+    saved(k) = k * tokens_per_block / recompute_rate  -  load_time(k)
+
+where ``load_time(k)`` sums, over the blocks the prefix needs that are not in the primary, their
+bytes over their tier's read rate, plus the queue ahead on each tier used. Blocks already in the
+primary cost nothing, so a resident prefix is always kept. Blocks past ``k`` are a MISS: the engine
+recomputes them.
+
+Deadline: a request PENDING for longer than its deadline gets a MISS for what is not ready (the
+ready prefix stays a HIT); its promotions go on and stay cached for later requests. The deadline is
+``max_pending_s`` when set, else the recompute time of the blocks it waits for (with the cost
+model on), else :data:`FALLBACK_DEADLINE_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["FALLBACK_DEADLINE_S", "CostModel", "Decision"]
+
+log = logging.getLogger("tierkv.cost")
+
+#: the deadline on PENDING when neither ``max_pending_s`` nor a recompute rate is known
+FALLBACK_DEADLINE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One request's choice: ``blocks`` of the ``usable`` prefix, and the estimates behind it."""
+
+    blocks: int
+    usable: int
+    load_s: float
+    recompute_s: float
+
+
+class CostModel:
+    """The recompute rate, the deadline rule, the choice of prefix, and their counters."""
+
+    def __init__(self, tokens_per_block: int, recompute_tokens_per_s: float | None,
+                 max_pending_s: float | None, enabled: bool = True) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.rate = recompute_tokens_per_s
+        self.max_pending_s = max_pending_s
+        self.enabled = enabled
+        self.decisions = 0
+        self.blocks_recomputed = 0
+        self.deadline_misses = 0
+        self.last: Decision | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when prefixes are chosen by cost (a recompute rate is known)."""
+        return self.enabled and self.rate is not None and self.rate > 0
+
+    def set_rate(self, tokens_per_s: float) -> None:
+        """The engine's measured prefill throughput (tokens/s)."""
+        if tokens_per_s > 0:
+            self.rate = tokens_per_s
+
+    def recompute_s(self, blocks: int) -> float:
+        """Seconds the engine takes to recompute ``blocks`` blocks (0 without a rate)."""
+        return blocks * self.tokens_per_block / self.rate if self.rate else 0.0
+
+    def deadline_s(self, waiting_blocks: int) -> float:
+        """How long a request waiting for ``waiting_blocks`` blocks may stay PENDING."""
+        if self.max_pending_s is not None:
+            return self.max_pending_s
+        if self.active and waiting_blocks > 0:
+            return max(self.recompute_s(waiting_blocks), 0.05)
+        return FALLBACK_DEADLINE_S
+
+    def choose(self, usable: int, full_costs: Sequence[float],
+               other_cost: Callable[[int], float], queue_s: Callable[[int], float]) -> Decision:
+        """The prefix length to load among ``0..usable``.
+
+        ``full_costs[i]``: seconds to load block ``i`` of the full groups (0 when resident);
+        ``other_cost(k)``: seconds to load what the other groups need for a prefix of ``k``;
+        ``queue_s(k)``: seconds of loads queued ahead on the tiers a prefix of ``k`` reads.
+        """
+        assert self.rate is not None
+        per_block = self.tokens_per_block / self.rate
+        best, best_saved, best_load = 0, 0.0, 0.0
+        load_full = 0.0
+        for k in range(1, usable + 1):
+            load_full += full_costs[k - 1]
+            load = load_full + other_cost(k) + queue_s(k)
+            saved = k * per_block - load
+            if saved >= best_saved:
+                best, best_saved, best_load = k, saved, load
+        decision = Decision(best, usable, best_load, best * per_block)
+        self.decisions += 1
+        self.blocks_recomputed += usable - best
+        self.last = decision
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("cost model: load %d of %d usable blocks (load %.3f s vs recompute %.3f s at %.0f "
+                      "tokens/s)", best, usable, best_load, best * per_block, self.rate)
+        return decision
