@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from typing import ClassVar
 
+import anyio
 import anyio.from_thread
 import torch
 from helpers import FULL, REC, SW, hybrid_layout
@@ -38,6 +39,7 @@ rids = st.sampled_from(["a", "b", "c", None])
 
 class StoreMachine(RuleBasedStateMachine):
     lower: ClassVar[dict[str, object]] = {"kind": "memory"}
+    extra: ClassVar[dict[str, object]] = {}
     #: with faults injected, a stored block may be missing (a counted miss), never wrong
     faults = False
 
@@ -46,6 +48,7 @@ class StoreMachine(RuleBasedStateMachine):
         self._cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._cm.__enter__()
         cfg = {"layout": LAYOUT, "namespace": "model", "max_concurrent_requests": 2, "policy": "arc",
+               **self.extra,
                "tiers": [{"kind": "cpu", "slots": {FULL: 3, SW: 2, REC: 2}}, self.lower]}
         self._store_cm = self.portal.wrap_async_context_manager(TieredStore(cfg))
         self.store: TieredStore = self._store_cm.__enter__()
@@ -116,6 +119,32 @@ class StoreMachine(RuleBasedStateMachine):
         assert not problems, problems
 
 
+class DeadlineStoreMachine(StoreMachine):
+    """Promotions slower than the deadline on PENDING, and gets cancelled while they wait: requests
+    give up and recompute, promotions land later, and nothing leaks."""
+
+    lower: ClassVar[dict[str, object]] = {"kind": "faulty", "inner": {"kind": "memory"},
+                                          "delay_s": 0.03, "ops": ["get"]}
+    extra: ClassVar[dict[str, object]] = {"max_pending_s": 0.01}
+
+    @rule(d=st.sampled_from([0.005, 0.02, 0.05]))
+    def wait(self, d: float) -> None:
+        self.portal.call(anyio.sleep, d)
+
+    @rule(g=groups, hs=hash_lists, rid=rids)
+    def get_cancelled(self, g: int, hs: list[bytes], rid: str | None) -> None:
+        out = torch.zeros((len(hs), LAYOUT.groups[g].block_bytes), dtype=torch.uint8)
+
+        async def cut_short() -> None:
+            with anyio.move_on_after(0.01):
+                try:
+                    await self.store.get(g, hs, out, request_id=rid)
+                except BlockMissing:
+                    pass
+
+        self.portal.call(cut_short)
+
+
 class FaultyStoreMachine(StoreMachine):
     lower: ClassVar[dict[str, object]] = {"kind": "faulty", "inner": {"kind": "memory"},
                                           "fail_every": 3, "ops": ["get", "put"]}
@@ -128,3 +157,6 @@ TestStoreModel = StoreMachine.TestCase
 TestStoreModel.settings = _settings
 TestFaultyStoreModel = FaultyStoreMachine.TestCase
 TestFaultyStoreModel.settings = _settings
+TestDeadlineStoreModel = DeadlineStoreMachine.TestCase
+TestDeadlineStoreModel.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])

@@ -274,3 +274,29 @@ def test_shutdown_removes_the_shared_segment_and_a_stale_one_does_not_break_a_st
     assert e.manager.lookup(key(1, 0), ctx("r")) is LookupResult.HIT
     e.close()
     assert not list(shm.iterdir())
+
+
+def test_a_stalled_tier_turns_hit_pending_into_miss_at_the_deadline(tmp_path: Path) -> None:
+    """A lower tier that never answers: vLLM sees HIT_PENDING, then MISS once max_pending_s has
+    passed (the request recomputes), and nothing stays pinned."""
+    import time
+
+    stall = {"kind": "faulty", "inner": {"kind": "memory"}, "delay_s": 3600.0, "ops": ["get"]}
+    e = Engine(tmp_path, [(0, 16)], {"tiers": [stall], "max_pending_s": 0.3}, engine="stall")
+    try:
+        keys = [key(i, 0) for i in range(4)]
+        e.store(keys, [1, 2, 3, 4], [4], ctx("w"))
+        settle(e.manager)
+        e.manager.reset_cache()
+        c = ctx("r")
+        assert e.manager.lookup(keys[0], c) is LookupResult.HIT_PENDING
+        t0 = time.monotonic()
+        while (res := e.manager.lookup(keys[0], c)) is LookupResult.HIT_PENDING:
+            assert time.monotonic() - t0 < 5, "held past the deadline"
+            time.sleep(0.02)
+        assert res is LookupResult.MISS and time.monotonic() - t0 >= 0.25
+        e.manager.on_request_finished(c)
+        st = e.manager.store.stats()
+        assert st.pending_deadline_miss == 1 and all(g.pinned == 0 for g in st.groups)
+    finally:
+        e.close()

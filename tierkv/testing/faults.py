@@ -67,7 +67,8 @@ class FaultyTierConfig(TierConfig):
 
 
 class FaultyTier(Tier):
-    """Wraps a tier; every ``fail_every``-th call of an op in ``ops`` raises ``error``."""
+    """Wraps a tier; calls of an op in ``ops`` are delayed by ``delay_s``, and every
+    ``fail_every``-th of them raises ``error``."""
 
     kind = "faulty"
     config_model = FaultyTierConfig
@@ -88,9 +89,11 @@ class FaultyTier(Tier):
         return self.inner.capabilities
 
     async def _maybe_fail(self, op: str) -> None:
+        if op not in self.cfg.ops:
+            return
         if self.cfg.delay_s:
             await anyio.sleep(self.cfg.delay_s)
-        if not self.enabled or op not in self.cfg.ops or self.cfg.fail_every <= 0:
+        if not self.enabled or self.cfg.fail_every <= 0:
             return
         self.calls += 1
         if self.calls % self.cfg.fail_every == 0:

@@ -47,6 +47,13 @@ class AdapterConfig(BaseModel):
     shm_dir: str = "/dev/shm"
     #: how long the scheduler waits for the worker's manifest before estimating block sizes
     manifest_timeout_s: float = 60.0
+    #: the cost model's recompute rate (prefill tokens/s); unset: measured from the blocks the
+    #: engine stores as it computes them
+    recompute_tokens_per_s: PositiveFloat | None = None
+    cost_model: bool = True
+    #: no request stays HIT_PENDING / RETRY longer than this (then MISS: recompute); unset: the
+    #: recompute time of what it waits for, else 60 s
+    max_pending_s: PositiveFloat | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> AdapterConfig:

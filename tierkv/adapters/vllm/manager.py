@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -37,7 +38,7 @@ from tierkv.lookup import KeyState
 from tierkv.metrics import Metric, samples
 from tierkv.store import TieredStore
 
-__all__ = ["TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
+__all__ = ["RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -85,6 +86,33 @@ class CounterDeltas:
         return None if stats.is_empty() else stats
 
 
+class RateMeter:
+    """The engine's prefill rate, from the blocks it stores as it computes them (tokens/s).
+
+    vLLM stores each block once computed, so while the engine is busy the stores arrive at its
+    compute rate; gaps longer than ``idle_s`` (an idle engine) start a new busy period.
+    """
+
+    def __init__(self, tokens_per_block: int, idle_s: float = 1.0, alpha: float = 0.2) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.idle_s = idle_s
+        self.alpha = alpha
+        self.rate: float | None = None
+        self._last = 0.0
+        self._samples = 0
+
+    def stored(self, blocks: int, now: float | None = None) -> float | None:
+        """``blocks`` more blocks were computed; the rate once a few samples are in, else None."""
+        now = time.monotonic() if now is None else now
+        dt, self._last = now - self._last, now
+        if blocks <= 0 or dt <= 0 or dt > self.idle_s:
+            return self.rate if self._samples >= 3 else None
+        sample = blocks * self.tokens_per_block / dt
+        self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)
+        self._samples += 1
+        return self.rate if self._samples >= 3 else None
+
+
 class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     """Where blocks sit in tierkv's shared CPU pool: one (group index, slot) per key, in order."""
 
@@ -105,7 +133,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     """vLLM's offloading manager backed by tierkv's pools and lower tiers."""
 
     def __init__(self, store_config: dict[str, Any], group_order: list[int],
-                 enable_events: bool = False, cleanup: list[str] | None = None) -> None:
+                 enable_events: bool = False, cleanup: list[str] | None = None,
+                 measure_recompute: bool = False) -> None:
         self._loop = LoopThread()
         try:
             self.store: TieredStore = self._loop.enter(TieredStore(store_config))
@@ -124,6 +153,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._closed = False
         self._cleanup = list(cleanup or [])
         self._deltas = CounterDeltas()
+        self._rate = RateMeter(self.layout.tokens_per_block) if measure_recompute else None
         if enable_events:
             self.engine.subscribe_evictions(self._on_evict)
 
@@ -209,6 +239,10 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
+        if success and self._rate is not None:
+            rate = self._rate.stored(len(keys) // max(1, len(self._cacheable)))
+            if rate is not None:
+                self.store.set_recompute_rate(rate)
         for g, gkeys in self._by_tail(keys):
             self.engine.commit(g, gkeys, success=success)
             if success and self._events_on:

@@ -125,10 +125,13 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         store_config = {
             "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
             "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
+            "recompute_tokens_per_s": s.recompute_tokens_per_s, "cost_model": s.cost_model,
+            "max_pending_s": s.max_pending_s,
             "tiers": [{"kind": "cpu", "slots": slots, "shm_path": self.shm_path, "shm_owner": True},
                       *s.tiers],
         }
         self._manager = TierKVOffloadingManager(store_config, self.group_ids,
                                                 enable_events=bool(self.config.enable_kv_cache_events),
-                                                cleanup=[self.manifest_path])
+                                                cleanup=[self.manifest_path],
+                                                measure_recompute=s.recompute_tokens_per_s is None)
         return self._manager
