@@ -17,6 +17,7 @@ credentials.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import anyio
 
 from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
-from tierkv.backends.fsspec import RECORD_OVERHEAD, Redactor, open_driver, redact_url
+from tierkv.backends.fsspec import RECORD_OVERHEAD, Redactor, open_driver, redact_url, url_problem
 from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -52,6 +53,7 @@ __all__ = [
     "verify_tier",
 ]
 
+_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 #: bytes read to parse a header: fixed part, a key of up to 1 KiB and a plane table of 255 planes
 HEADER_PROBE = 8192
 #: bound on a block's size where a namespace has no readable layout.json
@@ -137,6 +139,8 @@ class InspectReport:
     namespaces: list[NamespaceReport] = field(default_factory=list)
     temp_files: int = 0
     other_files: list[str] = field(default_factory=list)
+    #: when no namespace is here: where there are (or why there is none)
+    hint: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``tierkv inspect --json``)."""
@@ -149,7 +153,7 @@ class InspectReport:
                         "codec_ratio": ns.codec_ratio, "temp_files": ns.temp_files,
                         "other_files": ns.other_files, "groups": groups})
         return {"url": self.url, "namespaces": out, "temp_files": self.temp_files,
-                "other_files": self.other_files}
+                "other_files": self.other_files, "hint": self.hint}
 
 
 @dataclass
@@ -193,6 +197,23 @@ class VerifyReport:
     namespaces: dict[str, str] = field(default_factory=dict)
     """fingerprint -> manifest state (see :attr:`NamespaceReport.manifest`)."""
     repaired: bool = False
+    hint: str = ""
+    """When no namespace is here: where there are (or why there is none)."""
+
+    @property
+    def found(self) -> bool:
+        """Whether any namespace was found (else nothing was verified)."""
+        return bool(self.namespaces)
+
+    @property
+    def bad_manifests(self) -> dict[str, str]:
+        """Namespaces whose ``layout.json`` is missing, unreadable or does not match."""
+        return {fp: state for fp, state in self.namespaces.items() if state != "ok"}
+
+    @property
+    def stale(self) -> list[TempFile]:
+        """Stale temporary files still in place."""
+        return [t for t in self.temp_files if t.stale and not t.removed]
 
     @property
     def remaining(self) -> list[Problem]:
@@ -201,8 +222,9 @@ class VerifyReport:
 
     @property
     def clean(self) -> bool:
-        """No corrupt record remains and every record could be read."""
-        return not self.remaining and not self.errors
+        """Something was verified, no corrupt record remains, every record could be read and every
+        namespace has its ``layout.json``."""
+        return self.found and not self.remaining and not self.errors and not self.bad_manifests
 
     @property
     def removed(self) -> list[str]:
@@ -214,7 +236,8 @@ class VerifyReport:
         return {"url": self.url, "checked": self.checked, "ok": self.ok, "vanished": self.vanished,
                 "corrupt": [asdict(p) for p in self.corrupt], "errors": [asdict(p) for p in self.errors],
                 "temp_files": [asdict(t) for t in self.temp_files], "namespaces": self.namespaces,
-                "repaired": self.repaired, "removed": self.removed, "clean": self.clean}
+                "repaired": self.repaired, "removed": self.removed, "clean": self.clean,
+                "found": self.found, "hint": self.hint}
 
 
 # ---- listing ----------------------------------------------------------------------------------------
@@ -227,8 +250,30 @@ async def _manifest(driver: Driver, entry: Entry | None, fp: str) -> Manifest:
     return parse_manifest(data, fp)
 
 
+def _hint(url: str, root: str, listing: Listing) -> str:
+    """Where the namespaces are, when there is none directly under ``root``."""
+    if listing.fingerprints():
+        return ""
+    shown = redact_url(url).rstrip("/")
+    parts = root.rstrip("/").split("/")
+    for depth in range(1, min(4, len(parts))):
+        if _FINGERPRINT.fullmatch(parts[-depth]):
+            parent = shown.rsplit("/", depth)[0] or "/"
+            where = "one level up" if depth == 1 else f"{depth} levels up"
+            return (f"no tierkv namespace here: {shown} is inside namespace {parts[-depth]}; run on the "
+                    f"tier's root, {where}: {parent}")
+    below = listing.namespaces_below()
+    if below:
+        return (f"no tierkv namespace directly here; found namespaces under: "
+                f"{', '.join(f'{shown}/{b}' for b in below[:5])}")
+    return f"no tierkv namespace here: {shown} holds no <fingerprint>/layout.json and no records"
+
+
 async def _open(url: str, storage_options: dict[str, Any] | None, concurrency: int,
                 redact: Redactor) -> tuple[Driver, str]:
+    problem = url_problem(url)
+    if problem:
+        raise BackendError(problem)
     limiter = anyio.CapacityLimiter(max(1, concurrency))
     try:
         driver, root = open_driver(url, dict(storage_options or {}), limiter, concurrency, False)
@@ -265,6 +310,7 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
     try:
         listing = await _list(driver, root, url, redact)
         report = InspectReport(url=redact_url(url), temp_files=len(listing.temps),
+                               hint=_hint(url, root, listing),
                                other_files=[rel for rel, fp in listing.other if fp is None])
         for fp in listing.fingerprints():
             man = await _manifest(driver, listing.manifests.get(fp), fp)
@@ -372,7 +418,7 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
     try:
         listing = await _list(driver, root, url, redact)
         base = root.rstrip("/")
-        report = VerifyReport(url=redact_url(url))
+        report = VerifyReport(url=redact_url(url), hint=_hint(url, root, listing))
         now = time.time()
         for e, rel, _ in listing.temps:
             alive = temp_owner_alive(rel.rpartition("/")[2])

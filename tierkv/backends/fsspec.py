@@ -65,7 +65,7 @@ from tierkv.record import (
 )
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_threads", "open_driver",
-           "record_path", "redact_url"]
+           "record_path", "redact_url", "url_problem"]
 
 log = logging.getLogger("tierkv.fsspec")
 
@@ -115,11 +115,9 @@ class FsspecTierConfig(TierConfig):
     @field_validator("url")
     @classmethod
     def _has_location(cls, v: str) -> str:
-        parts = urlsplit(v)
-        scheme = parts.scheme or "file"
-        if not v.strip() or (scheme in ("file", "local") and not (parts.netloc + parts.path).strip()):
-            raise ValueError(f"names no location: {redact_url(v)!r} (a path or an fsspec URL such as "
-                             "file:///var/cache/tierkv or s3://bucket/prefix)")
+        problem = url_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("elem_size")
@@ -145,6 +143,16 @@ class FsspecTierConfig(TierConfig):
                 value = redact_url(value)
             if name != "storage_options":
                 yield name, value
+
+
+def url_problem(url: str) -> str:
+    """Why ``url`` cannot be a tier's root ('' when it can): empty, or a file URL with no path
+    (which would put the tier in the working directory)."""
+    parts = urlsplit(url)
+    if not url.strip() or (parts.scheme in ("", "file", "local") and not (parts.netloc + parts.path).strip()):
+        return (f"names no location: {redact_url(url)!r} (a path or an fsspec URL such as "
+                "file:///var/cache/tierkv or s3://bucket/prefix)")
+    return ""
 
 
 def redact_url(url: str) -> str:

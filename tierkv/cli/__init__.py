@@ -1,0 +1,75 @@
+"""The ``tierkv`` command: ``demo``, ``simulate``, ``inspect``, ``verify``, ``bench``.
+
+Every command prints errors as one plain line (``tierkv: error: ...``), never a Python traceback:
+usage errors exit 2 (argparse), interrupts (Ctrl-C) 130, and each command documents its own exit
+codes in its ``--help``. ``TIERKV_DEBUG=1`` shows the traceback of an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from tierkv.cli import bench_cmds, run_cmds, tier_cmds
+from tierkv.cli.common import Formatter, error
+
+__all__ = ["build_parser", "main"]
+
+#: an unexpected error (a bug): reported in one line, like every other
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``tierkv`` command."""
+    p = argparse.ArgumentParser(
+        prog="tierkv", formatter_class=Formatter,
+        description="A tiered store for LLM KV caches: try it, inspect and verify persistent tiers, "
+                    "measure your storage.",
+        epilog="Exit codes: 0 success, 2 usage error or failure to run, 130 interrupted; see each "
+               "command's --help for its own.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    run_cmds.add_demo(sub)
+    run_cmds.add_simulate(sub)
+    tier_cmds.add_inspect(sub)
+    tier_cmds.add_verify(sub)
+    bench_cmds.add_bench(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tierkv`` console script."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        rc: int = args.func(args)
+        return rc
+    except KeyboardInterrupt:
+        error("interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # argparse, or a command that exits on purpose
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except BrokenPipeError:  # `tierkv inspect ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # nothing more may reach the closed pipe
+        except OSError:
+            pass
+        return 0
+    except Exception as exc:
+        from tierkv.errors import TierKVError
+
+        if isinstance(exc, TierKVError | OSError):
+            error(str(exc) or type(exc).__name__)
+            return 2
+        if os.environ.get("TIERKV_DEBUG"):
+            traceback.print_exc()
+        error(f"unexpected {type(exc).__name__}: {str(exc)[:300]} (set TIERKV_DEBUG=1 for details; "
+              "please report it)")
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""``tierkv bench tier URL`` (your storage, through the public API) and ``tierkv bench serving``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import time
+from typing import Any
+
+import anyio
+
+from tierkv.cli.common import (
+    Formatter,
+    console,
+    error,
+    kv_pairs,
+    positive_float,
+    positive_int,
+    print_table,
+    progress,
+    warn,
+)
+
+__all__ = ["add_bench", "break_even_tokens"]
+
+
+def add_bench(sub: Any) -> None:
+    """The ``bench`` command and its two subcommands."""
+    b = sub.add_parser("bench", formatter_class=Formatter, help="measure a tier, or TTFT of a real engine",
+                       description="Measure your storage as tierkv uses it (bench tier), or time-to-first-"
+                                   "token of a real vLLM engine restoring prefixes from tierkv (bench "
+                                   "serving).")
+    bsub = b.add_subparsers(dest="what", required=True, metavar="WHAT")
+    t = bsub.add_parser("tier", formatter_class=Formatter, help="write and read rates of a tier URL",
+                        description="Write blocks to URL through a TieredStore, then restore them with a new "
+                                    "store (warm page cache, and cold where this process may drop it), and "
+                                    "print the rates and the prompt length past which restoring beats "
+                                    "recomputing at --recompute-tokens-per-s. Writes a namespace of its own "
+                                    "and deletes it afterwards.\n\nExit codes: 0 measured, 2 error.")
+    t.add_argument("url", help="where to measure: a path or any fsspec URL (file://, s3://, ...)")
+    t.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[],
+                   help="fsspec storage option (repeatable), e.g. -o endpoint_url=http://host:9000")
+    t.add_argument("--block-kib", type=positive_int, default=1024, help="block size in KiB")
+    t.add_argument("--blocks", type=positive_int, default=256, help="blocks written and read")
+    t.add_argument("--batch", type=positive_int, default=16, help="blocks per put")
+    t.add_argument("--concurrency", type=positive_int, default=None,
+                   help="the tier's io_threads (local) or requests in flight (remote); default: the tier's")
+    t.add_argument("--tokens-per-block", type=positive_int, default=16, help="tokens one block spans")
+    t.add_argument("--recompute-tokens-per-s", type=positive_float, default=10000.0,
+                   help="the engine's prefill throughput, for the break-even prompt length")
+    t.add_argument("--codec", choices=["none", "zstd", "zstd-shuffle"], default="none", help="record codec")
+    t.add_argument("--no-cold", action="store_true", help="skip the cold read (page cache dropped)")
+    t.add_argument("--json", action="store_true", help="print a JSON report on stdout")
+    t.set_defaults(func=_bench_tier)
+    s = bsub.add_parser("serving", formatter_class=Formatter, add_help=False,
+                        help="TTFT of a real vLLM engine restoring from tierkv (needs vLLM)",
+                        description="Run `tierkv bench serving --help` for its options.")
+    s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    s.set_defaults(func=_bench_serving)
+
+
+def break_even_tokens(read_bytes_per_s: float, latency_s: float, bytes_per_token: float,
+                      recompute_tokens_per_s: float) -> float | None:
+    """The prompt length (tokens) past which loading beats recomputing, or None when it never does.
+
+    Loading ``n`` tokens takes ``latency_s + n * bytes_per_token / read_bytes_per_s``; recomputing
+    them ``n / recompute_tokens_per_s``.
+    """
+    gain = 1.0 / recompute_tokens_per_s - bytes_per_token / read_bytes_per_s
+    if gain <= 0:
+        return None
+    return latency_s / gain
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
+    import torch
+
+    from tierkv import GroupSpec, Layout, Lookup, TieredStore
+    from tierkv.backends.base import TierContext
+    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+
+    block = args.block_kib << 10
+    n = args.blocks
+    layout = Layout(tokens_per_block=args.tokens_per_block,
+                    groups=[GroupSpec(kind="full", block_bytes=block)])
+    namespace = f"tierkv-bench-{secrets.token_hex(6)}"
+    tier: dict[str, Any] = {"kind": "fsspec", "url": args.url, "codec": args.codec,
+                            "storage_options": kv_pairs(args.storage_option),
+                            "max_inflight_bytes": max(256 << 20, 2 * args.batch * block),
+                            "scan_on_open": False}
+    if args.concurrency:
+        tier.update(io_threads=args.concurrency, read_concurrency=args.concurrency,
+                    max_inflight_ops=args.concurrency)
+    cfg = {"layout": layout, "namespace": namespace, "tiers": [{"kind": "cpu", "slots": {0: n}}, tier]}
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(n, block // 2, generator=g) * 0.3).to(torch.bfloat16)
+    data = data.view(torch.uint8).reshape(n, block)
+    hashes = [secrets.token_bytes(16) for _ in range(n)]
+    out = torch.zeros_like(data)
+    res: dict[str, Any] = {"url": FsspecTierConfig(url=args.url).model_dump()["url"], "block_bytes": block,
+                           "blocks": n, "codec": args.codec}
+    try:
+        t0 = time.perf_counter()
+        async with TieredStore(cfg) as store:
+            for i in range(0, n, args.batch):
+                await store.put(0, hashes[i:i + args.batch], data[i:i + args.batch])
+                advance(len(hashes[i:i + args.batch]))
+            await store.flush()
+            st = store.stats().tiers[1]
+            if st.stores != n:
+                raise RuntimeError(f"{st.stores} of {n} blocks were stored ({st.stores_failed} failed, "
+                                   f"{st.stores_shed} shed): the tier does not keep up or fails")
+        res["write_mb_s"] = n * block / (time.perf_counter() - t0) / 1e6
+
+        async def restore(hs: list[bytes], rows: Any) -> float:
+            async with TieredStore(cfg) as reader:
+                t = time.perf_counter()
+                while reader.lookup_prefix(hs, request_id="bench").state is Lookup.PENDING:
+                    await anyio.sleep(0.001)
+                await reader.get(0, hs, rows, request_id="bench")
+                return time.perf_counter() - t
+
+        res["latency_s"] = await restore(hashes[:1], out[:1])
+        res["read_warm_mb_s"] = n * block / await restore(hashes, out) / 1e6
+        advance(n)
+        if not torch.equal(out, data):
+            raise RuntimeError("the blocks read back differ from those written")
+        res["read_cold_mb_s"] = None
+        local = "://" not in args.url or args.url.startswith(("file://", "local://"))
+        if not args.no_cold and local:
+            if _drop_caches():
+                res["read_cold_mb_s"] = n * block / await restore(hashes, out) / 1e6
+            else:
+                res["cold_note"] = "the page cache could not be dropped (needs root): cold read skipped"
+        advance(n)
+    finally:
+        with anyio.CancelScope(shield=True):
+            ctx = TierContext(layout=layout, namespace=namespace, fingerprint=layout.fingerprint(namespace))
+            cleanup = FsspecTier(FsspecTierConfig(**{k: v for k, v in tier.items() if k != "kind"}), ctx)
+            try:
+                await cleanup.open()
+                await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
+                await cleanup.driver.delete_many([f"{cleanup.ns_root}/layout.json"])
+                await cleanup.close()
+            except Exception as exc:
+                warn(f"could not remove the benchmark's records ({str(exc)[:200]})")
+    bpt = block / args.tokens_per_block
+    read = res["read_cold_mb_s"] or res["read_warm_mb_s"]
+    res["recompute_tokens_per_s"] = args.recompute_tokens_per_s
+    res["break_even_tokens"] = break_even_tokens(read * 1e6, res["latency_s"], bpt,
+                                                 args.recompute_tokens_per_s)
+    return res
+
+
+def _bench_tier(args: argparse.Namespace) -> int:
+    with progress() as bar:
+        task = bar.add_task("writing and reading blocks", total=3 * args.blocks)
+        res = anyio.run(lambda: _measure(args, lambda k: bar.advance(task, k)))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    cold = res["read_cold_mb_s"]
+    title = f"{res['url']}: {res['blocks']} blocks x {res['block_bytes'] >> 10} KiB, codec {res['codec']}"
+    print_table(title,
+                ("write MB/s", "read MB/s (warm)", "read MB/s (cold)", "first block (ms)"),
+                [(f"{res['write_mb_s']:,.0f}", f"{res['read_warm_mb_s']:,.0f}",
+                  "-" if cold is None else f"{cold:,.0f}", f"{res['latency_s'] * 1e3:.1f}")])
+    if res.get("cold_note"):
+        warn(res["cold_note"])
+    out = console()
+    be = res["break_even_tokens"]
+    rate = res["recompute_tokens_per_s"]
+    if be is None:
+        out.print(f"at {rate:,.0f} tokens/s of recompute, restoring from this tier never beats recomputing "
+                  "(it reads slower than the engine computes)")
+    else:
+        out.print(f"at {rate:,.0f} tokens/s of recompute, restoring beats recomputing for prompts "
+                  f"longer than {be:,.0f} tokens")
+    return 0
+
+
+def _bench_serving(args: argparse.Namespace) -> int:
+    try:
+        from tierkv.benchmarks import serving  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        error(f"the serving benchmark cannot load: {exc}")
+        return 2
+    rest = [a for a in args.rest if a != "--"]
+    rc: int = serving.main(rest)
+    return rc
+

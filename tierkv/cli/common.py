@@ -1,0 +1,107 @@
+"""What the commands share: argument types, the error printer, consoles and tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Formatter", "console", "error", "kv_pairs", "nonneg_float", "positive_float", "positive_int",
+           "print_table", "progress", "warn"]
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown in every option's help; descriptions keep their line breaks."""
+
+
+def error(message: str) -> None:
+    """One plain line on stderr: ``tierkv: error: ...`` (no markup is interpreted in it)."""
+    print(f"tierkv: error: {message}", file=sys.stderr, flush=True)
+
+
+def warn(message: str) -> None:
+    """One plain line on stderr: ``tierkv: warning: ...``."""
+    print(f"tierkv: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _number(kind: type, text: str, test: Any, what: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if not test(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int > 0."""
+    v: int = _number(int, text, lambda v: v > 0, "a positive integer")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    v: float = _number(float, text, lambda v: v > 0, "a positive number")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    v: float = _number(float, text, lambda v: v >= 0, "zero or more")
+    return v
+
+
+def kv_pairs(pairs: Sequence[str] | None, what: str = "storage option") -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON is used as such (numbers, objects).
+
+    A malformed pair is a usage error (exit 2)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            error(f"{what} {pair!r} is not KEY=VALUE")
+            raise SystemExit(2)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich console that never interprets markup in the text it is given and, when the output is
+    not a terminal, never cuts or wraps long lines (it writes them whole)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = stream.isatty()
+    return Console(file=stream, markup=False, highlight=False, emoji=False, soft_wrap=True,
+                   width=None if tty else 1000, force_terminal=None if tty else False)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
+                out: Any = None) -> None:
+    """A table whose cells fold onto more lines when narrow, never cut (80 columns, a pipe)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out = out if out is not None else console()
+    table = Table(title=Text(title), title_justify="left", expand=False)
+    for col in columns:
+        table.add_column(Text(col), overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(str(c)) for c in row))
+    out.print(table)
+
+
+def progress() -> Any:
+    """A progress bar on stderr while a command runs; nothing at all when stderr is not a terminal."""
+    from rich.progress import Progress
+
+    return Progress(console=console(stderr=True), transient=True, disable=not sys.stderr.isatty())

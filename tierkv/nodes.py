@@ -1,0 +1,171 @@
+"""``tierkv simulate --nodes N``: serving nodes sharing one persistent tier.
+
+N processes, each with its own :class:`~tierkv.TieredStore` (its own CPU pool) over one tier URL
+(a bucket, an NFS export, a shared directory). Every node writes its own documents (prefixes of
+blocks whose bytes derive from their hash), all at once; then every node restores the documents the
+next node wrote and checks them byte for byte. With ``capacity_bytes`` the nodes write more than
+the tier may hold between them, and the report says how many bytes the tier holds once they stop.
+
+A node runs as ``python -m tierkv.nodes`` with its spec as one JSON line on stdin (credentials
+never appear on a command line) and answers with one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from tierkv.demo import block_for, chain_hashes
+from tierkv.layout import GroupSpec, Layout
+from tierkv.store import Lookup, TieredStore
+
+__all__ = ["NodesResult", "run_nodes"]
+
+GROUP = 0
+
+
+def _layout(block_bytes: int) -> Layout:
+    return Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=block_bytes)])
+
+
+def _config(spec: dict[str, Any]) -> dict[str, Any]:
+    tier: dict[str, Any] = {"kind": "fsspec", "url": spec["url"],
+                            "storage_options": spec.get("storage_options") or {},
+                            "rescan_s": spec.get("rescan_s", 2.0)}
+    if spec.get("capacity_bytes"):
+        tier["capacity_bytes"] = spec["capacity_bytes"]
+    return {"layout": _layout(spec["block_bytes"]), "namespace": "tierkv-simulate-nodes",
+            "tiers": [{"kind": "cpu", "slots": {GROUP: spec["blocks"] + 8}}, tier]}
+
+
+def _doc(node: int, d: int, blocks: int) -> list[bytes]:
+    return chain_hashes(100_000 * (node + 1) + d, blocks)
+
+
+async def _node(spec: dict[str, Any]) -> dict[str, Any]:
+    node, blocks, bb = spec["node"], spec["blocks"], spec["block_bytes"]
+    out: dict[str, Any] = {"node": node, "written": 0, "restored": 0, "identical": 0, "missing": 0}
+    async with TieredStore(_config(spec)) as store:
+        for d in range(spec["documents"]):
+            hs = _doc(node, d, blocks)
+            await store.put(GROUP, hs, torch.stack([block_for(h, GROUP, bb) for h in hs]))
+            await store.flush()
+            store.engine.clear()  # this node's pool forgets: what comes back comes from the tier
+            out["written"] += blocks
+        t = store.stats().tiers[1]
+        out["stores_failed"], out["stores_shed"] = t.stores_failed, t.stores_shed
+    # the others are writing too: wait until they are done before restoring what one of them wrote
+    sys.stdout.write(json.dumps({"event": "written"}) + "\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    other = (node + 1) % spec["nodes"]
+    async with TieredStore(_config({**spec, "capacity_bytes": None})) as store:
+        for d in range(spec["documents"]):
+            hs = _doc(other, d, blocks)
+            rid = f"restore-{d}"
+            with anyio.fail_after(120):
+                while (pl := store.lookup_prefix(hs, request_id=rid)).state is Lookup.PENDING:
+                    await anyio.sleep(0.01)
+            got = pl.blocks if pl.state is Lookup.HIT else 0
+            out["missing"] += blocks - got
+            if got:
+                buf = torch.empty((got, bb), dtype=torch.uint8)
+                await store.get(GROUP, hs[:got], buf, request_id=rid)
+                out["restored"] += got
+                out["identical"] += sum(bool(torch.equal(buf[i], block_for(h, GROUP, bb)))
+                                        for i, h in enumerate(hs[:got]))
+            store.release(rid)
+    return out
+
+
+@dataclass
+class NodesResult:
+    """What the nodes did, and what the tier holds afterwards."""
+
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    capacity_bytes: int | None = None
+    held_bytes: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every restored block was identical, and the tier is within capacity (when bounded)."""
+        identical = all(n["identical"] == n["restored"] for n in self.nodes)
+        within = self.capacity_bytes is None or (self.held_bytes or 0) <= self.capacity_bytes
+        return identical and within
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict for ``--json``."""
+        return {"nodes": self.nodes, "capacity_bytes": self.capacity_bytes, "held_bytes": self.held_bytes,
+                "seconds": self.seconds, "ok": self.ok}
+
+
+async def _held(spec: dict[str, Any]) -> int:
+    """Bytes of records in the namespace, listed by a store that writes nothing."""
+    from tierkv.audit import inspect_tier
+
+    report = await inspect_tier(spec["url"], spec.get("storage_options") or {})
+    return sum(ns.bytes_on_disk for ns in report.namespaces)
+
+
+def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes: int,
+              capacity_bytes: int | None = None, storage_options: dict[str, Any] | None = None,
+              timeout_s: float = 600.0) -> NodesResult:
+    """Run the nodes as processes; each writes ``documents`` x ``blocks`` blocks, then restores
+    the next node's documents."""
+    t0 = time.perf_counter()
+    spec = {"nodes": nodes, "url": url, "documents": documents, "blocks": blocks, "block_bytes": block_bytes,
+            "capacity_bytes": capacity_bytes, "storage_options": storage_options or {}}
+    procs = [subprocess.Popen([sys.executable, "-m", "tierkv.nodes"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(nodes)]
+    try:
+        for i, p in enumerate(procs):
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({**spec, "node": i}) + "\n")
+            p.stdin.flush()
+        for p in procs:  # every node has written (and closed its writing store)
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a node failed while writing: {_tail(p)}")
+        held = anyio.run(_held, spec)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            if p.returncode != 0 or not out.strip():
+                raise RuntimeError(f"a node failed while restoring: {err.strip()[-500:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return NodesResult(nodes=results, capacity_bytes=capacity_bytes, held_bytes=held,
+                           seconds=time.perf_counter() - t0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _tail(p: subprocess.Popen[str]) -> str:
+    p.kill()
+    _, err = p.communicate()
+    return err.strip()[-500:]
+
+
+def _main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    print(json.dumps(anyio.run(_node, spec)))
+
+
+if __name__ == "__main__":
+    _main()
