@@ -300,3 +300,53 @@ def test_a_stalled_tier_turns_hit_pending_into_miss_at_the_deadline(tmp_path: Pa
         assert st.pending_deadline_miss == 1 and all(g.pinned == 0 for g in st.groups)
     finally:
         e.close()
+
+
+def test_kv_events_report_every_record_of_the_persistent_tier_once(tmp_path: Path) -> None:
+    """Routers that place requests by cache locality see the persistent tier too: every record
+    written is one STORAGE 'stored' event, and every one that leaves it (evicted for capacity,
+    found corrupt, removed by someone else, e.g. `tierkv verify --repair`) one 'removed' event."""
+    import time
+
+    record = PAGE + 200  # a record of one block: the block, its header (128 bytes) and trailer
+    tier = {"kind": "fsspec", "url": f"file://{tmp_path / 'tier'}", "capacity_bytes": 8 * record,
+            "rescan_s": 0.2}
+    e = Engine(tmp_path, [(0, 16)], {"tiers": [tier], "slots": {"0": 4}}, engine="events")
+    medium = base.Medium.STORAGE
+
+    def storage_events() -> tuple[list[bytes], list[bytes]]:
+        stored, removed = [], []
+        for ev in e.manager.take_events():
+            if ev.medium is medium:
+                assert ev.locality is base.Locality.LOCAL
+                (removed if ev.removed else stored).extend(bytes(k) for k in ev.keys)
+        return stored, removed
+
+    try:
+        keys = [key(i, 0) for i in range(12)]
+        for i in range(0, 12, 4):
+            e.store(keys[i:i + 4], [1, 2, 3, 4], [4], ctx(f"w{i}"))
+            settle(e.manager)
+        stored, removed = storage_events()
+        assert sorted(stored) == sorted(keys), "each record written is reported once"
+        on_disk = {p.name for p in (tmp_path / "tier").rglob("*.tkv")}
+        gone = [k for k in keys if f"{k.hex()}.tkv" not in on_disk]
+        assert len(gone) >= 4 and sorted(removed) == sorted(gone), "each eviction is reported once"
+        # a corrupt record is removed when read
+        victim = next(k for k in keys if k not in gone)
+        (path,) = (tmp_path / "tier").rglob(f"{victim.hex()}.tkv")
+        path.write_bytes(path.read_bytes()[:-8] + b"\0" * 8)
+        e.manager.reset_cache()
+        c = ctx("reader")
+        while e.manager.lookup(victim, c) in (LookupResult.RETRY, LookupResult.HIT_PENDING):
+            time.sleep(0.01)
+        e.manager.on_request_finished(c)
+        settle(e.manager)
+        # a record removed by another process shows at the next listing
+        other = next(k for k in keys if k not in gone and k != victim)
+        next((tmp_path / "tier").rglob(f"{other.hex()}.tkv")).unlink()
+        time.sleep(1.0)
+        _, removed = storage_events()
+        assert sorted(removed) == sorted([victim, other]), "corruption and outside removals, once each"
+    finally:
+        e.close()

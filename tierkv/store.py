@@ -382,6 +382,14 @@ class TieredStore:
             yield rows
 
     # ---- state ----------------------------------------------------------------------------------
+    def subscribe_tier_events(self, listener: Callable[[int, str, list[bytes]], None]) -> None:
+        """Call ``listener(tier_index, "stored" | "removed", keys)`` as blocks appear in or leave a
+        lower tier: written by a cascade; evicted for capacity, found corrupt, or gone from a listing
+        (another process evicted them, ``tierkv verify --repair`` removed them). Primary pool
+        evictions are :meth:`EngineSlots.subscribe_evictions`'s."""
+        for i, t in enumerate(self._tiers[1:], start=1):
+            t.add_listener(functools.partial(listener, i))
+
     def set_recompute_rate(self, tokens_per_s: float) -> None:
         """Tell the cost model the engine's prefill throughput (tokens/s), e.g. as measured."""
         self._cost.set_rate(tokens_per_s)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -12,7 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from tierkv.layout import Layout
 
-__all__ = ["Capabilities", "Tier", "TierConfig", "TierContext"]
+__all__ = ["Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext"]
+
+#: called with ``"stored"`` or ``"removed"`` and the keys concerned
+KeyListener = Callable[[str, list[bytes]], None]
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,26 @@ class Tier(ABC):
         self.config = config
         self.context = context
         self.counters: dict[str, int] = {}
+        self._listeners: list[KeyListener] = []
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the backend counter ``name`` (reported in ``stats()``)."""
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def add_listener(self, listener: KeyListener) -> None:
+        """Call ``listener(event, keys)`` with ``"stored"`` / ``"removed"`` and the keys whenever
+        blocks appear in or leave this tier (events for routers that place requests by cache)."""
+        self._listeners.append(listener)
+
+    def notify(self, event: str, keys: list[bytes]) -> None:
+        """Tell the listeners (backends call this); a listener's error is logged, never raised."""
+        if not keys:
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(event, keys)
+            except Exception:
+                logging.getLogger("tierkv").exception("a tier event listener failed")
 
     async def open(self) -> None:  # noqa: B027
         """Acquire resources (allocate pools, connect). Called once before use."""

@@ -85,11 +85,12 @@ class Ledger:
             out.append(path)
         return out
 
-    def rebuild(self, records: Iterable[tuple[float, str, int]], listed_at: float) -> int:
+    def rebuild(self, records: Iterable[tuple[float, str, int]], listed_at: float) -> tuple[int, list[str]]:
         """Replace what is known by a listing ``(mtime, path, size)`` that started at ``listed_at``.
 
         Records this node wrote or read while the listing ran keep their recent place (and stay,
-        when the listing missed them). Returns how many records the listing had.
+        when the listing missed them). Returns how many records the listing had, and the records
+        known before that it no longer has (another process removed them).
         """
         during = [(p, s, t) for p, s in self._order.items() if (t := self._mtime.get(p, 0.0)) >= listed_at]
         order: OrderedDict[str, int] = OrderedDict()
@@ -103,10 +104,11 @@ class Ledger:
             order.pop(path, None)
             order[path] = size
             mtime[path] = t
+        gone = [p for p in self._order if p not in order]
         self._order, self._mtime = order, mtime
         self.used = sum(order.values())
         self.written = 0
-        return n
+        return n, gone
 
     def wants_listing(self) -> bool:
         """True when this node wrote enough since its last listing that the others' writes (and its

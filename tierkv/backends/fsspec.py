@@ -510,16 +510,27 @@ class FsspecTier(Tier):
             if stale:
                 await self.driver.delete_many(stale)
                 self.count("temp_removed", len(stale))
-            found = self._ledger.rebuild(((e.mtime, e.path, e.size)
-                                          for e, rel in listing.records.get(self.context.fingerprint, [])
-                                          if is_record_name(rel.rpartition("/")[2])), started)
+            records = listing.records.get(self.context.fingerprint, [])
+            found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
+                                                if is_record_name(rel.rpartition("/")[2])), started)
             self.count("scanned", found)
+            self.notify("removed", self._keys_of(gone))  # evicted by another process, or repaired
             await self._evict()
         except Exception as exc:
             self._warn("scanning the namespace", exc)
             self.count("scan_errors")
         finally:
             self._scan_done.set()
+
+    @staticmethod
+    def _keys_of(paths: list[str]) -> list[bytes]:
+        """The keys of records at ``paths`` (those named by a digest cannot be told: skipped)."""
+        keys = []
+        for p in paths:
+            key = key_from_name(p.rpartition("/")[2])
+            if key is not None:
+                keys.append(key)
+        return keys
 
     async def _evict(self) -> None:
         if self._evicting:
@@ -533,6 +544,7 @@ class FsspecTier(Tier):
                     self._warn("evicting records", exc)
                     self.count("evict_errors")
                 self.count("evictions", len(victims))
+                self.notify("removed", self._keys_of(victims))
         finally:
             self._evicting = False
 
@@ -573,6 +585,7 @@ class FsspecTier(Tier):
                 ok[i] = True
         if too_large:
             self.count("too_large", too_large)
+        self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
         if self._ledger.wants_listing():
             self._list_now.set()
         await self._evict()
@@ -665,6 +678,7 @@ class FsspecTier(Tier):
                 self.count("corrupt_removed", len(corrupt))
             except Exception as exc:
                 self._warn("removing corrupt records", exc)
+            self.notify("removed", self._keys_of(corrupt))
         if touch and self.cfg.capacity_bytes is not None:
             try:
                 await self.driver.touch_many(touch)
@@ -690,6 +704,7 @@ class FsspecTier(Tier):
             await self.driver.delete_many(paths)
         except Exception as exc:
             raise self._error("deleting records", exc) from None
+        self.notify("removed", list(keys))
 
     async def list_keys(self, group: int) -> list[bytes]:
         """Keys of every record of ``group`` in this namespace."""

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -84,6 +85,12 @@ class CounterDeltas:
             if delta > 0:
                 stats.increase_counter(m.full_name, delta, labels)
         return None if stats.is_empty() else stats
+
+
+def _is_local(tier: dict[str, Any]) -> bool:
+    """Whether a lower tier's storage is this machine's (a path or file:// URL), else remote."""
+    url = str(tier.get("url") or tier.get("inner", {}).get("url") or "")
+    return tier.get("kind") in ("memory", "cpu") or "://" not in url or url.startswith(("file://", "local://"))
 
 
 class RateMeter:
@@ -156,6 +163,15 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._rate = RateMeter(self.layout.tokens_per_block) if measure_recompute else None
         if enable_events:
             self.engine.subscribe_evictions(self._on_evict)
+            self._localities = {i: Locality.LOCAL if _is_local(t) else Locality.REMOTE
+                                for i, t in enumerate(store_config["tiers"][1:], start=1)}
+            self.store.subscribe_tier_events(self._on_tier_event)
+
+    def _on_tier_event(self, tier: int, event: str, keys: list[bytes]) -> None:
+        ev = OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=Medium.STORAGE,
+                             removed=event == "removed", locality=self._localities.get(tier))
+        with self._events_lock:
+            self._events.append(ev)
 
     def _on_evict(self, group: int, keys: list[bytes]) -> None:
         with self._events_lock:

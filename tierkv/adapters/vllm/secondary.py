@@ -264,6 +264,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                                 TierContext(layout=self.layout, namespace=self.namespace,
                                             fingerprint=self.fingerprint))
         self._gw = TierGateway(1, self._tier, self._lock)
+        if self._events is not None:
+            self._tier.add_listener(self._on_removed)
         self._loop = LoopThread()
         self._background: concurrent.futures.Future[None] | None = None
         try:
@@ -423,6 +425,16 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
 
     def __repr__(self) -> str:
         return f"<TierKVSecondaryTier {self.describe()}>"
+
+    def _on_removed(self, event: str, keys: list[bytes]) -> None:
+        """Records that left the tier (capacity, corruption, another process): removal events.
+        Stores are reported as their jobs finish."""
+        if event != "removed":
+            return
+        with self._lock:
+            if self._events is not None:
+                self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=self.medium,
+                                                    removed=True, locality=self.locality))
 
     # ---- scheduler-thread helpers (under the lock) -----------------------------------------------
     def _valid_job(self, job_id: int, keys: list[bytes], cids: list[int]) -> bool:
