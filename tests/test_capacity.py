@@ -31,8 +31,8 @@ def test_a_listing_orders_every_node_s_records_by_time_and_keeps_what_happened_m
     led = Ledger(capacity=250, touch_after_s=10, rescan_fraction=0.1)
     led.wrote("mine", 100, now=50.0)  # written while the listing ran (it started at 40)
     listed = [(30.0, "x", 100), (10.0, "y", 100), (20.0, "z", 100)]  # other nodes' records
-    assert led.rebuild(listed, listed_at=40.0) == 3
-    assert led.used == 400 and led.written == 0
+    assert led.rebuild(listed, listed_at=40.0) == (3, [])
+    assert led.used == 400 and led.written == 100, "what it wrote while the listing ran still counts"
     assert led.victims() == ["y", "z"], "oldest first, whoever wrote them"
     assert "mine" in led and "x" in led
 

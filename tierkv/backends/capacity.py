@@ -85,12 +85,15 @@ class Ledger:
             out.append(path)
         return out
 
-    def rebuild(self, records: Iterable[tuple[float, str, int]], listed_at: float) -> tuple[int, list[str]]:
-        """Replace what is known by a listing ``(mtime, path, size)`` that started at ``listed_at``.
+    def rebuild(self, records: Iterable[tuple[float, str, int]], listed_at: float,
+                written_before: int = 0) -> tuple[int, list[str]]:
+        """Replace what is known by a listing ``(mtime, path, size)`` that started at ``listed_at``,
+        when this node had written ``written_before`` bytes since its previous listing.
 
         Records this node wrote or read while the listing ran keep their recent place (and stay,
-        when the listing missed them). Returns how many records the listing had, and the records
-        known before that it no longer has (another process removed them).
+        when the listing missed them), and what it wrote meanwhile still counts towards its next
+        listing. Returns how many records the listing had, and the records known before that it no
+        longer has (another process removed them).
         """
         during = [(p, s, t) for p, s in self._order.items() if (t := self._mtime.get(p, 0.0)) >= listed_at]
         order: OrderedDict[str, int] = OrderedDict()
@@ -107,7 +110,7 @@ class Ledger:
         gone = [p for p in self._order if p not in order]
         self._order, self._mtime = order, mtime
         self.used = sum(order.values())
-        self.written = 0
+        self.written = max(0, self.written - written_before)
         return n, gone
 
     def wants_listing(self) -> bool:

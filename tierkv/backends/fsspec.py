@@ -499,7 +499,7 @@ class FsspecTier(Tier):
         listed (vanished, unreadable) are skipped, never fatal.
         """
         try:
-            started = time.time()
+            started, written = time.time(), self._ledger.written
             listing = classify(self.root, await self.driver.listdir(self.ns_root))
             now = time.time()
             stale = []
@@ -512,7 +512,7 @@ class FsspecTier(Tier):
                 self.count("temp_removed", len(stale))
             records = listing.records.get(self.context.fingerprint, [])
             found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
-                                                if is_record_name(rel.rpartition("/")[2])), started)
+                                                if is_record_name(rel.rpartition("/")[2])), started, written)
             self.count("scanned", found)
             self.notify("removed", self._keys_of(gone))  # evicted by another process, or repaired
             await self._evict()
