@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     PositiveFloat,
     PositiveInt,
     SerializeAsAny,
@@ -54,6 +55,10 @@ class StoreConfig(BaseModel):
     #: no request stays PENDING longer than this; past it, what is not ready is a MISS (unset: the
     #: recompute time of what it waits for, with the cost model on, else 60 s)
     max_pending_s: PositiveFloat | None = None
+    #: serve Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics while the store is
+    #: open (needs the extra tierkv[metrics]); 0 picks a free port (``store.metrics_url`` tells)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -29,7 +29,7 @@ import torch
 
 from tierkv.backends.base import Tier
 from tierkv.errors import BackendError
-from tierkv.metrics import TierStats
+from tierkv.metrics import Histogram, TierStats
 from tierkv.pool import contiguous_run, wide_view
 
 __all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
@@ -167,6 +167,8 @@ class TierGateway:
         self._loads_running = 0
         #: bytes of loads asked for and not landed yet (in flight or waiting for the budget)
         self.load_backlog_bytes = 0
+        self.load_seconds = Histogram()
+        self.store_seconds = Histogram()
         self.stats = TierStats(index=index, kind=tier.kind, describe=tier.describe())
         self._presence: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         #: keys whose presence is being probed now
@@ -305,6 +307,7 @@ class TierGateway:
                     tg.start_soon(put, plan)
             if any(ok):
                 elapsed = time.monotonic() - t0
+                self.store_seconds.observe(elapsed)
         finally:
             with self._lock:
                 if acquired:
@@ -404,6 +407,7 @@ class TierGateway:
             scatter_rows(dest, [rows[j] for j in good], buf if len(good) == len(keys) else buf[good])
         with self._lock:
             now = time.monotonic()
+            self.load_seconds.observe(now - t0)
             for k, f in zip(keys, found, strict=True):
                 self.note(k, f, now)
             self.stats.hits += len(good)
@@ -456,6 +460,8 @@ class TierGateway:
         s.load_inflight_bytes = self._load_budget.used
         s.store_s_per_mib = self.ema_s_per_mib
         s.read_bytes_per_s = self.read_bytes_per_s
+        s.load_seconds = self.load_seconds.snapshot()
+        s.store_seconds = self.store_seconds.snapshot()
         s.used_bytes = self.tier.used_bytes()
         s.backend = dict(self.tier.counters)
         return s

@@ -18,6 +18,7 @@ from tierkv.costmodel import CostModel
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
+from tierkv.metrics import Histogram
 from tierkv.pool import SlotPool, SlotState
 from tierkv.prefix import needed_blocks
 
@@ -89,6 +90,8 @@ class Resolver:
                  cost: CostModel | None = None) -> None:
         self.layout = layout
         self.cost = cost if cost is not None else CostModel(layout.tokens_per_block, None, None)
+        #: how long prefixes stayed PENDING before their answer
+        self.pending_seconds = Histogram()
         self.pools = pools
         self.gateways = gateways
         self.admission = admission
@@ -187,6 +190,8 @@ class Resolver:
             if not req.gave_up:
                 req.gave_up = True
                 self.cost.deadline_misses += 1
+                if req.pending_since is not None:
+                    self.pending_seconds.observe(now - req.pending_since)
                 self._unpin_unready(req)
             req.last_answer = None
             return self._ready_prefix(req.last_hashes, req), Work()
@@ -211,6 +216,8 @@ class Resolver:
                 req.last_answer = answer
                 req.answer_version = self._version()
         elif answer.state is not Lookup.PENDING:
+            if req.pending_since is not None:
+                self.pending_seconds.observe(now - req.pending_since)
             req.pending_since = None
         req.stale = False
         return answer, work

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
+import collections
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,8 +12,52 @@ from pydantic import BaseModel, Field
 
 from tierkv.pool import PoolPlan
 
-__all__ = ["CostStats", "GroupStats", "Metric", "StoreStats", "TierStats", "all_metrics", "samples",
+__all__ = ["LATENCY_BUCKETS", "CostStats", "GroupStats", "Histogram", "HistogramStats", "Metric",
+           "histogram_samples", "StoreStats", "TierStats", "all_metrics", "samples",
            "tier_samples", "to_prometheus"]
+
+
+#: upper bounds (seconds) of the latency histograms' buckets
+LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                      2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class HistogramStats(BaseModel):
+    """A latency histogram: cumulative counts per bucket upper bound (the last is +Inf)."""
+
+    buckets: list[float] = Field(default_factory=lambda: list(LATENCY_BUCKETS))
+    counts: list[int] = Field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    sum: float = 0.0
+    count: int = 0
+
+
+class Histogram:
+    """Observations of a duration: bucket counts, sum and count; the recent observations are kept
+    (bounded) for publishers that take raw values, such as vLLM's metrics."""
+
+    def __init__(self) -> None:
+        self._counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._sum = 0.0
+        self._count = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=4096)
+
+    def observe(self, seconds: float) -> None:
+        """Count one duration."""
+        self._counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self._sum += seconds
+        self._count += 1
+        self._recent.append(seconds)
+
+    def snapshot(self) -> HistogramStats:
+        """The histogram as of now (cumulative counts)."""
+        counts = list(itertools.accumulate(self._counts))
+        return HistogramStats(counts=counts, sum=self._sum, count=self._count)
+
+    def drain(self) -> list[float]:
+        """The observations since the last drain (at most the last 4096)."""
+        out = list(self._recent)
+        self._recent.clear()
+        return out
 
 
 class TierStats(BaseModel):
@@ -38,6 +85,9 @@ class TierStats(BaseModel):
     store_s_per_mib: float = 0.0
     #: measured aggregate read rate (the configured prior until the first load)
     read_bytes_per_s: float = 0.0
+    #: seconds per load batch and per store call
+    load_seconds: HistogramStats = Field(default_factory=HistogramStats)
+    store_seconds: HistogramStats = Field(default_factory=HistogramStats)
     used_bytes: int | None = None
     backend: dict[str, int] = Field(default_factory=dict)
 
@@ -88,6 +138,8 @@ class StoreStats(BaseModel):
     cost: CostStats = Field(default_factory=CostStats)
     #: requests that stayed PENDING past their deadline and recomputed what was not ready
     pending_deadline_miss: int = 0
+    #: how long requests' prefixes stayed PENDING before an answer (HIT, or MISS at the deadline)
+    pending_seconds: HistogramStats = Field(default_factory=HistogramStats)
 
 
 @dataclass(frozen=True)
@@ -95,7 +147,7 @@ class Metric:
     """One series family of tierkv's single naming scheme: ``tierkv_<name>``, with labels."""
 
     name: str
-    kind: Literal["counter", "gauge"]
+    kind: Literal["counter", "gauge", "histogram"]
     doc: str
     labels: tuple[str, ...] = ()
 
@@ -164,7 +216,26 @@ STORE_METRICS: dict[str, Metric] = {
 }
 LOOKUPS = Metric("lookups_total", "counter", "Lookup answers", ("state",))
 
+HISTOGRAMS: dict[str, Metric] = {
+    "load_seconds": Metric("tier_load_seconds", "histogram", "Seconds per load batch from the tier", _TIER),
+    "store_seconds": Metric("tier_store_seconds", "histogram", "Seconds per store call to the tier", _TIER),
+    "pending_seconds": Metric("pending_seconds", "histogram",
+                              "Seconds a request's prefix stayed PENDING before its answer"),
+}
+
 Sample = tuple[Metric, tuple[str, ...], float]
+HistogramSample = tuple[Metric, tuple[str, ...], HistogramStats]
+
+
+def histogram_samples(stats: StoreStats) -> list[HistogramSample]:
+    """Every latency histogram of a store."""
+    out: list[HistogramSample] = []
+    for t in stats.tiers[1:]:
+        labels = (str(t.index), t.kind)
+        out += [(HISTOGRAMS["load_seconds"], labels, t.load_seconds),
+                (HISTOGRAMS["store_seconds"], labels, t.store_seconds)]
+    out.append((HISTOGRAMS["pending_seconds"], (), stats.pending_seconds))
+    return out
 
 
 def tier_samples(t: TierStats, tier_label: str | None = None) -> list[Sample]:
@@ -193,7 +264,7 @@ def samples(stats: StoreStats) -> list[Sample]:
 def all_metrics() -> list[Metric]:
     """Every metric family a store exports."""
     return [*TIER_METRICS.values(), *BACKEND_METRICS.values(), USED_BYTES, *GROUP_METRICS.values(),
-            LOOKUPS, *STORE_METRICS.values()]
+            LOOKUPS, *STORE_METRICS.values(), *HISTOGRAMS.values()]
 
 
 def _escape(v: str) -> str:
@@ -209,6 +280,15 @@ def to_prometheus(stats: StoreStats) -> str:
         lab = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(m.labels, labels, strict=True))
         text = f"{m.full_name}{{{lab}}} {value:g}" if lab else f"{m.full_name} {value:g}"
         by_family.setdefault(m.name, []).append(text)
+    for m, labels, h in histogram_samples(stats):
+        families[m.name] = m
+        base = [f'{k}="{_escape(v)}"' for k, v in zip(m.labels, labels, strict=True)]
+        rows = by_family.setdefault(m.name, [])
+        for le, n in zip([*(f"{b:g}" for b in h.buckets), "+Inf"], h.counts, strict=True):
+            bound = 'le="' + le + '"'
+            rows.append(f"{m.full_name}_bucket{{{','.join([*base, bound])}}} {n}")
+        lab = f"{{{','.join(base)}}}" if base else ""
+        rows += [f"{m.full_name}_sum{lab} {h.sum:g}", f"{m.full_name}_count{lab} {h.count}"]
     lines = []
     for name, rows in by_family.items():
         m = families[name]

@@ -41,7 +41,7 @@ from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
-from tierkv.metrics import CostStats, GroupStats, StoreStats, TierStats
+from tierkv.metrics import HISTOGRAMS, CostStats, GroupStats, HistogramStats, StoreStats, TierStats
 from tierkv.pool import SlotPool, plan_pools
 from tierkv.promotion import Promoter
 from tierkv.reader import Reader
@@ -86,6 +86,7 @@ class TieredStore:
         self._resolver: Resolver | None = None
         self._engine: EngineSlots | None = None
         self._reader: Reader | None = None
+        self._metrics: Any = None
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         cfg = self.config
@@ -135,6 +136,16 @@ class TieredStore:
                               stats=self._primary_stats, changed=self._changed)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
+        if self.config.metrics_port is not None:
+            from tierkv.exporter import MetricsServer
+
+            try:
+                self._metrics = MetricsServer(self.stats, self.config.metrics_host, self.config.metrics_port)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    for t in reversed(self._tiers):
+                        await _close_quietly(t)
+                raise
         await self._bridge.start()
         self._open = True
         self._bridge.spawn(self._lease_sweeper)
@@ -156,6 +167,9 @@ class TieredStore:
                 self._open = False
             with anyio.CancelScope(shield=True):
                 await self._bridge.stop()
+                if self._metrics is not None:
+                    self._metrics.close()
+                    self._metrics = None
                 for t in reversed(self._tiers):
                     await _close_quietly(t)
 
@@ -167,6 +181,11 @@ class TieredStore:
     def tiers(self) -> list[Tier]:
         """The tier objects, primary first."""
         return list(self._tiers)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the store serves Prometheus metrics (with ``metrics_port``), else None."""
+        return None if self._metrics is None else str(self._metrics.url)
 
     @property
     def engine(self) -> EngineSlots:
@@ -390,6 +409,19 @@ class TieredStore:
         for i, t in enumerate(self._tiers[1:], start=1):
             t.add_listener(functools.partial(listener, i))
 
+    @locked
+    def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
+        """The durations observed since the last call, per histogram and labels (the metric of
+        :data:`tierkv.metrics.HISTOGRAMS`), for publishers that take raw values (vLLM's metrics)."""
+        out: list[tuple[Any, tuple[str, ...], list[float]]] = []
+        for gw in self._gateways:
+            labels = (str(gw.index), gw.tier.kind)
+            out.append((HISTOGRAMS["load_seconds"], labels, gw.load_seconds.drain()))
+            out.append((HISTOGRAMS["store_seconds"], labels, gw.store_seconds.drain()))
+        if self._resolver is not None:
+            out.append((HISTOGRAMS["pending_seconds"], (), self._resolver.pending_seconds.drain()))
+        return [o for o in out if o[2]]
+
     def set_recompute_rate(self, tokens_per_s: float) -> None:
         """Tell the cost model the engine's prefill throughput (tokens/s), e.g. as measured."""
         self._cost.set_rate(tokens_per_s)
@@ -453,6 +485,8 @@ class TieredStore:
                            blocks_recomputed=self._cost.blocks_recomputed,
                            last=None if self._cost.last is None else self._cost.last.__dict__),
             pending_deadline_miss=self._cost.deadline_misses,
+            pending_seconds=(self._resolver.pending_seconds.snapshot() if self._resolver is not None
+                             else HistogramStats()),
             promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
                 self._cascader.dropped if self._cascader is not None else 0)})

@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -36,7 +37,7 @@ from tierkv.engine import EngineSlots
 from tierkv.keys import GROUP_BYTES
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState
-from tierkv.metrics import Metric, samples
+from tierkv.metrics import LATENCY_BUCKETS, Metric, samples
 from tierkv.store import TieredStore
 
 __all__ = ["RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
@@ -57,6 +58,10 @@ def vllm_metric_definitions(metrics: Iterable[Metric]) -> dict[str, OffloadingMe
     """tierkv's metrics as vLLM metric definitions (the same names and labels as everywhere)."""
     out: dict[str, OffloadingMetricMetadata] = {}
     for m in metrics:
+        if m.kind == "histogram":
+            out[m.full_name] = OffloadingHistogramMetadata(documentation=m.doc, labelnames=m.labels,
+                                                           buckets=LATENCY_BUCKETS)
+            continue
         cls = OffloadingCounterMetadata if m.kind == "counter" else OffloadingGaugeMetadata
         out[m.full_name] = cls(documentation=m.doc, labelnames=m.labels)
     return out
@@ -68,8 +73,10 @@ class CounterDeltas:
     def __init__(self) -> None:
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
-    def stats(self, rows: Iterable[tuple[Metric, tuple[str, ...], float]]) -> Any:
-        """An ``OffloadingConnectorStats`` of what changed since the last call (None: nothing)."""
+    def stats(self, rows: Iterable[tuple[Metric, tuple[str, ...], float]],
+              observations: Iterable[tuple[Metric, tuple[str, ...], list[float]]] = ()) -> Any:
+        """An ``OffloadingConnectorStats`` of what changed since the last call (None: nothing);
+        ``observations`` are raw durations for the histograms."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
@@ -84,6 +91,9 @@ class CounterDeltas:
             self._last[key] = value
             if delta > 0:
                 stats.increase_counter(m.full_name, delta, labels)
+        for m, labels, values in observations:
+            for v in values:
+                stats.observe_histogram(m.full_name, v, labels)
         return None if stats.is_empty() else stats
 
 
@@ -292,7 +302,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def get_stats(self) -> Any:
         """tierkv's counters since the last call and its gauges, as vLLM's connector stats."""
         try:
-            return self._deltas.stats(samples(self.store.stats()))
+            return self._deltas.stats(samples(self.store.stats()), self.store.latency_observations())
         except ImportError:
             return None
 

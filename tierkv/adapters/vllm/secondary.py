@@ -103,7 +103,7 @@ from tierkv.errors import ConfigError
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES
 from tierkv.layout import GroupSpec, Layout
-from tierkv.metrics import BACKEND_METRICS, TIER_METRICS, USED_BYTES, tier_samples
+from tierkv.metrics import BACKEND_METRICS, HISTOGRAMS, TIER_METRICS, USED_BYTES, tier_samples
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -207,7 +207,8 @@ def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespac
 #: the metrics :meth:`TierKVSecondaryTier.get_stats` reports (tierkv's one naming scheme, labelled
 #: by ``tier``: the secondary tier's type name, and ``kind``)
 METRICS: dict[str, OffloadingMetricMetadata] = vllm_metric_definitions(
-    [*TIER_METRICS.values(), *BACKEND_METRICS.values(), USED_BYTES])
+    [*TIER_METRICS.values(), *BACKEND_METRICS.values(), USED_BYTES, HISTOGRAMS["load_seconds"],
+     HISTOGRAMS["store_seconds"]])
 
 
 def _group(key: bytes) -> int:
@@ -387,10 +388,14 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counters since the last call and the gauges, or None when nothing changed."""
+        labels = (self.tier_type, "fsspec")
         with self._lock:
             snap = self._gw.snapshot()
+            observed = [(HISTOGRAMS["load_seconds"], labels, self._gw.load_seconds.drain()),
+                        (HISTOGRAMS["store_seconds"], labels, self._gw.store_seconds.drain())]
         try:
-            stats: OffloadingConnectorStats | None = self._deltas.stats(tier_samples(snap, self.tier_type))
+            stats: OffloadingConnectorStats | None = self._deltas.stats(tier_samples(snap, self.tier_type),
+                                                                        observed)
         except ImportError:
             return None
         return stats

@@ -1,0 +1,97 @@
+"""Metrics for operators: one naming scheme, served over HTTP while the store is open."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from helpers import blocks, hashes
+
+from tierkv import ConfigError, GroupSpec, Layout, Lookup, TieredStore, to_prometheus
+
+pytestmark = pytest.mark.anyio
+
+BB = 16 << 10
+LAYOUT = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])
+
+
+def cfg(root: Path, **kw: object) -> dict[str, object]:
+    return {"layout": LAYOUT, "namespace": "metrics", "metrics_port": 0,
+            "tiers": [{"kind": "cpu", "slots": {0: 8}}, {"kind": "fsspec", "url": f"file://{root}"}], **kw}
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def series(values: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (in any order)."""
+    total = 0.0
+    for key, v in values.items():
+        base, _, rest = key.partition("{")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if base == name and all(found.get(k) == w for k, w in labels.items()):
+            total += v
+    return total
+
+
+async def test_the_endpoint_serves_series_that_move_with_the_workload(tmp_path: Path) -> None:
+    async with TieredStore(cfg(tmp_path)) as store:
+        url = store.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        before = await anyio.to_thread.run_sync(scrape, url)
+        assert series(before, "tierkv_tier_stores_total", tier="1") == 0
+        hs, data = hashes(16), blocks(16, BB)
+        for i in range(0, 16, 4):
+            await store.put(0, hs[i:i + 4], data[i:i + 4])
+            await store.flush()
+        store.engine.clear()
+        while store.lookup_prefix(hs[:8], request_id="r").state is Lookup.PENDING:
+            await anyio.sleep(0.01)
+        out = torch.zeros((8, BB), dtype=torch.uint8)
+        await store.get(0, hs[:8], out, request_id="r")
+        after = await anyio.to_thread.run_sync(scrape, url)
+    # counters moved by what the workload did
+    assert series(after, "tierkv_tier_stores_total", tier="1", kind="fsspec") == 16
+    assert series(after, "tierkv_tier_promotions_total", tier="1", kind="fsspec") == 8
+    assert series(after, "tierkv_lookups_total", state="hit") >= 1
+    # gauges of the pool, and latency histograms of loads, stores and PENDING age
+    assert series(after, "tierkv_pool_slots", group="0", kind="full") == 8
+    assert series(after, "tierkv_tier_store_seconds_count", tier="1") >= 4
+    assert series(after, "tierkv_tier_load_seconds_count", tier="1") >= 1
+    assert series(after, "tierkv_pending_seconds_count") == 1
+    assert series(after, "tierkv_tier_load_seconds_bucket", tier="1", le="+Inf") >= 1
+    # the endpoint is gone with the store
+    with pytest.raises(OSError):
+        await anyio.to_thread.run_sync(scrape, url)
+
+
+async def test_the_text_exposition_and_the_endpoint_use_the_same_names(tmp_path: Path) -> None:
+    async with TieredStore(cfg(tmp_path)) as store:
+        await store.put(0, hashes(2), blocks(2, BB))
+        await store.flush()
+        served = await anyio.to_thread.run_sync(scrape, store.metrics_url)
+        text = to_prometheus(store.stats())
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+    served_names = {k.split("{")[0] for k in served}
+    assert names <= served_names | {n + "_created" for n in names}
+
+
+async def test_a_port_in_use_is_a_config_error(tmp_path: Path) -> None:
+    async with TieredStore(cfg(tmp_path)) as first:
+        port = int(str(first.metrics_url).rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(ConfigError, match="metrics_port"):
+            async with TieredStore(cfg(tmp_path / "b", metrics_port=port)):
+                pass
