@@ -39,6 +39,9 @@ class Ledger:
         self.used = 0
         #: bytes this node wrote since it last listed the tier
         self.written = 0
+        #: records this node deleted since its last listing (a listing running meanwhile may still
+        #: show them)
+        self._deleted: set[str] = set()
 
     def __contains__(self, path: object) -> bool:
         return path in self._order
@@ -59,6 +62,7 @@ class Ledger:
         return last is None or now - last >= self.touch_after_s
 
     def _put(self, path: str, size: int, mtime: float) -> None:
+        self._deleted.discard(path)
         old = self._order.pop(path, None)
         if old is not None:
             self.used -= old
@@ -68,6 +72,7 @@ class Ledger:
 
     def forget(self, path: str) -> None:
         """``path`` is gone (deleted, found missing, corrupt)."""
+        self._deleted.add(path)
         old = self._order.pop(path, None)
         self._mtime.pop(path, None)
         if old is not None:
@@ -81,6 +86,7 @@ class Ledger:
         while self.used > self.capacity and self._order:
             path, size = self._order.popitem(last=False)
             self._mtime.pop(path, None)
+            self._deleted.add(path)
             self.used -= size
             out.append(path)
         return out
@@ -100,6 +106,8 @@ class Ledger:
         mtime: dict[str, float] = {}
         n = 0
         for t, path, size in sorted(records):
+            if path in self._deleted:
+                continue
             order[path] = size
             mtime[path] = t
             n += 1
@@ -108,6 +116,7 @@ class Ledger:
             order[path] = size
             mtime[path] = t
         gone = [p for p in self._order if p not in order]
+        self._deleted.clear()
         self._order, self._mtime = order, mtime
         self.used = sum(order.values())
         self.written = max(0, self.written - written_before)
