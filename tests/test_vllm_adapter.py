@@ -276,6 +276,23 @@ def test_shutdown_removes_the_shared_segment_and_a_stale_one_does_not_break_a_st
     assert not list(shm.iterdir())
 
 
+def test_a_killed_engine_leaves_nothing_in_shm_dir(tmp_path: Path) -> None:
+    """Once the scheduler has mapped the pool the worker published, both files are unlinked: vLLM
+    kills an engine core that is slow to exit before its scheduler shuts down."""
+    e = Engine(tmp_path, [(0, 16)], engine="killed")
+    try:
+        assert not list((tmp_path / "shm").iterdir())
+        keys = [key(i, 0) for i in range(3)]
+        e.store(keys, [1, 2, 3], [3], ctx("w"))  # worker and scheduler still share the same slots
+        settle(e.manager)
+        before = e.gpu[[1, 2, 3]].clone()
+        e.gpu[[5, 6, 7]] = 0
+        e.load(keys, [5, 6, 7], [3], ctx("r"))
+        assert torch.equal(e.gpu[[5, 6, 7]], before)
+    finally:
+        e.close()
+
+
 def test_a_stalled_tier_turns_hit_pending_into_miss_at_the_deadline(tmp_path: Path) -> None:
     """A lower tier that never answers: vLLM sees HIT_PENDING, then MISS once max_pending_s has
     passed (the request recomputes), and nothing stays pinned."""

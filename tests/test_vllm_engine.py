@@ -1,10 +1,11 @@
 """tierkv as the offloading spec of a real vLLM engine (CPU build), three tiny random-weight models.
 
 Each engine runs in its own process (tests/engine/run_engine.py). For each model, with a file:// tier:
-(a) generate, reset vLLM's prefix cache, generate again: the prefix comes back through tierkv with
-the same tokens and logprobs; (b) a new engine process (multiprocessing mode, d) gets the prefix from
-disk, same output; (c) a record corrupted on disk is a miss and is recomputed: same output, no NaN.
-Plus: concurrent restores from disk through a small recurrent pool (Qwen3-Next) all restore.
+(a) generate, generate again (vLLM's own prefix cache: the most a restore can give), reset vLLM's
+prefix cache, generate again: the same prefix comes back through tierkv, same tokens and logprobs;
+(b) a new engine process (multiprocessing mode, d) gets the prefix from disk, same output; (c) a
+record corrupted on disk is a miss and is recomputed: same output, no NaN. Every run leaves nothing
+in shm_dir. Plus: concurrent restores from disk through a small recurrent pool (Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 RUNNER = Path(__file__).parent / "engine" / "run_engine.py"
 MODELS: dict[str, dict[str, Any]] = {
-    "llama": {"prompt_len": 200, "restored": 192},
-    "gemma3": {"prompt_len": 450, "restored": 448},
-    "qwen3next": {"prompt_len": 2300, "max_model_len": 4096, "restored": 2112},
+    "llama": {"prompt_len": 200, "at_least": 192},
+    "gemma3": {"prompt_len": 450, "at_least": 448},
+    "qwen3next": {"prompt_len": 2300, "max_model_len": 4096, "at_least": 2112},
 }
 TOL = 1e-3
 
@@ -69,14 +70,15 @@ def test_prefix_restored_by_tierkv_in_a_real_engine(model: str, models_dir: str,
     # (a) same process: store, drop vLLM's own prefix cache, load back through tierkv
     ev = run(models_dir, shm, **base, steps=["run1", "run2", "reset", "run3"])
     first, third = gen(ev, "run1"), gen(ev, "run3")
-    assert first["num_cached_tokens"] == 0
-    assert third["num_cached_tokens"] == m["restored"]
+    own = gen(ev, "run2")["num_cached_tokens"]  # what vLLM's own prefix cache gives
+    assert first["num_cached_tokens"] == 0 and own >= m["at_least"]
+    assert third["num_cached_tokens"] == own
     same_output(first, third)
     records = sorted((tmp_path / "tier").rglob("*.tkv"))
     assert records, "the prefix must have been cascaded to the file tier"
     # (b, d) a new engine process, multiprocessing mode: the prefix comes from disk
     ev = run(models_dir, shm, **base, steps=["run1"], multiprocessing=True)
-    assert gen(ev, "run1")["num_cached_tokens"] == m["restored"]
+    assert gen(ev, "run1")["num_cached_tokens"] == own
     same_output(first, gen(ev, "run1"))
     # (c) a record corrupted on disk is a miss, recomputed: same output, never garbage
     victim = records[len(records) // 2]
@@ -85,7 +87,7 @@ def test_prefix_restored_by_tierkv_in_a_real_engine(model: str, models_dir: str,
     victim.write_bytes(bytes(data))
     ev = run(models_dir, shm, **base, steps=["run1"])
     out = gen(ev, "run1")
-    assert out["num_cached_tokens"] < m["restored"]
+    assert out["num_cached_tokens"] < own
     same_output(first, out)
     assert not victim.exists() or victim.read_bytes() != bytes(data), "the corrupt record must be gone"
 
@@ -97,10 +99,12 @@ def test_concurrent_restores_through_a_small_recurrent_pool(models_dir: str, tmp
             "max_model_len": m["max_model_len"], "prompts": 4, "kv_bytes": 128 << 20}
     shm = tmp_path / "shm"
     shm.mkdir()
-    ev = run(models_dir, shm, **base, steps=["run1"])
+    ev = run(models_dir, shm, **base, steps=["run1", "run2"])
     firsts = [gen(ev, "run1", i) for i in range(4)]
+    owns = [gen(ev, "run2", i)["num_cached_tokens"] for i in range(4)]
+    assert min(owns) >= m["at_least"]
     ev = run(models_dir, shm, **base, steps=["run1"], extra={"slots": {"0": 2, "1": 2, "2": 2}})
     for i in range(4):
         out = gen(ev, "run1", i)
-        assert out["num_cached_tokens"] == m["restored"], f"request {i} was computed from scratch"
+        assert out["num_cached_tokens"] == owns[i], f"request {i} was not restored whole"
         same_output(firsts[i], out)

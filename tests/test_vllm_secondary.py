@@ -7,6 +7,7 @@ region, our tier created by vLLM's SecondaryTierFactory from a ``secondary_tiers
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from tierkv.adapters.vllm import TierKVSecondaryTier
-from tierkv.adapters.vllm.secondary import METRICS
+from tierkv.adapters.vllm.secondary import METRICS, PROBE_BATCH
 from tierkv.errors import ConfigError
 from tierkv.record import read_header
 
@@ -184,6 +185,66 @@ def records(root: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["store", "load", "probe"])
+def test_handing_work_to_the_loop_never_deadlocks_with_a_task_that_takes_the_lock(
+        make: Callable[..., Setup], kind: str) -> None:
+    """The loop's tasks take the tier's lock (a finishing job updates presence): a scheduler call
+    that still held it while waiting for the loop to accept new work hung forever (found by
+    bench/peers.py, a store job finishing just as the next one was submitted)."""
+    s = make()
+    keys = make_keys(4)
+    if kind == "load":
+        s.store(dict(zip(keys, kv_rows(4, s.row), strict=True)))
+    tier = s.tier
+    original = tier._valid_job
+    blocked = threading.Event()
+
+    async def takes_the_lock() -> None:
+        blocked.set()
+        with tier._lock:
+            pass
+
+    def loop_task_waits_on_the_lock() -> None:
+        # runs under the lock on the scheduler's thread: the loop now blocks on it
+        tier._loop.submit(takes_the_lock)
+        assert blocked.wait(5)
+        time.sleep(0.05)
+
+    def valid_job(*args: Any) -> bool:
+        loop_task_waits_on_the_lock()
+        return original(*args)
+
+    tier._valid_job = valid_job  # type: ignore[method-assign]
+    c = s.ctx()
+    job = TransferJob(job_id=20_000, keys=keys, chunk_ids=np.array([0, 1, 2, 3]), is_promotion=kind == "load",
+                      req_context=c)
+
+    def call() -> None:
+        if kind == "store":
+            tier.submit_store(job)
+        elif kind == "load":
+            tier.submit_load(job)
+        else:  # the lookup that fills a probe batch sends it
+            presence, calls = tier._gw.presence, [0]
+
+            def last_one_blocks(*args: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == PROBE_BATCH:
+                    loop_task_waits_on_the_lock()
+                return presence(*args)
+
+            tier._gw.presence = last_one_blocks  # type: ignore[method-assign]
+            for k in make_keys(PROBE_BATCH, seed=9):
+                tier.lookup(k, c)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the scheduler thread deadlocked with the tier's event loop"
+    tier.drain_jobs()
+    s.mgr.on_request_finished(c)
+
+
 @pytest.mark.parametrize("codec", ["none", "zstd-shuffle"])
 def test_store_cascade_reset_and_promote(make: Callable[..., Setup], tmp_path: Path, codec: str) -> None:
     s = make(codec=codec)

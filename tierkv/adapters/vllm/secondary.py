@@ -76,7 +76,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -99,7 +99,7 @@ from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
 from tierkv.bridge import LoopThread
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES
 from tierkv.layout import GroupSpec, Layout
@@ -302,9 +302,9 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                 return LookupResult.MISS
             self._gw.probing.add(key)
             self._probe_batch.append(key)
-            if len(self._probe_batch) >= PROBE_BATCH:
-                self._flush_probes()
-            return LookupResult.RETRY
+            batch = self._take_probe_batch() if len(self._probe_batch) >= PROBE_BATCH else []
+        self._send_probes(batch)
+        return LookupResult.RETRY
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's rows in the background, skipping keys already held or being written."""
@@ -342,8 +342,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                 return
             for _, idx, _ in admitted:
                 self._storing.update(keys[i] for i in idx)
-            self._inflight[job_id] = self._loop.submit(self._run_store, job_id, keys, cids, admitted,
-                                                       refused == 0)
+            self._inflight[job_id] = concurrent.futures.Future()
+        self._start(job_id, self._run_store, keys, cids, admitted, refused == 0)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read, verify and decode the job's records into its primary rows in the background."""
@@ -353,7 +353,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         with self._lock:
             if not self._valid_job(job_id, keys, cids):
                 return
-            self._inflight[job_id] = self._loop.submit(self._run_load, job_id, keys, cids)
+            self._inflight[job_id] = concurrent.futures.Future()
+        self._start(job_id, self._run_load, keys, cids)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every job finished since the last call, each reported once."""
@@ -369,7 +370,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send the existence probes queued by this step's lookups."""
         with self._lock:
-            self._flush_probes()
+            batch = self._take_probe_batch()
+        self._send_probes(batch)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events for keys written since the last call (only with ``enable_kv_events``)."""
@@ -456,20 +458,39 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
             return False
         return True
 
-    def _flush_probes(self) -> None:
-        if not self._probe_batch or self._closed:
-            return
+    def _take_probe_batch(self) -> list[bytes]:
+        if self._closed:
+            return []
         batch, self._probe_batch = self._probe_batch, []
+        return batch
+
+    # ---- hand-off to the loop: never under the lock (the loop's tasks take it) --------------------
+    def _send_probes(self, batch: list[bytes]) -> None:
         for group, pos in _by_group(batch).items():
-            fut = self._loop.submit(self._gw.probe, group, [batch[i] for i in pos])
+            keys = [batch[i] for i in pos]
+            try:
+                fut = self._loop.submit(self._gw.probe, group, keys)
+            except (StoreClosed, RuntimeError):  # the loop has stopped
+                with self._lock:
+                    self._gw.probing.difference_update(keys)
+                continue
             self._probe_futures.add(fut)
             fut.add_done_callback(self._probe_futures.discard)
+
+    def _start(self, job_id: int, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run job ``job_id`` (its placeholder in ``_inflight`` set) on the loop; it ends in ``_finish``."""
+        try:
+            self._loop.submit(fn, job_id, *args)
+        except (StoreClosed, RuntimeError):  # the loop has stopped
+            self._finish(job_id, JobResult(job_id=job_id, success=False))
 
     # ---- event-loop side -------------------------------------------------------------------------
     def _finish(self, job_id: int, result: JobResult) -> None:
         with self._lock:
-            self._inflight.pop(job_id, None)
+            done = self._inflight.pop(job_id, None)
             self._results.append(result)
+        if done is not None:
+            done.set_result(None)
 
     async def _run_store(self, job_id: int, keys: list[bytes], cids: list[int],
                          admitted: list[tuple[int, list[int], int]], complete: bool) -> None:

@@ -8,6 +8,7 @@ plan, so both sides agree on every slot by construction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,6 +84,7 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         manifest = {"format": "tierkv-vllm-manifest-v1", "pid": os.getpid(), "time": time.time(),
                     "layout": layout.model_dump(mode="json"), "slots": plan.slots(),
                     "plan": plan.model_dump(mode="json")}
+        pools = shared_pool_tensors(self.shm_path, plan)
         if self.rank == 0:
             tmp = f"{self.manifest_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
@@ -90,7 +92,6 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             os.replace(tmp, self.manifest_path)
         log.info("tierkv pools: %s", ", ".join(f"group {g.group} {g.kind}: {g.slots} x {g.block_bytes} B"
                                                for g in plan.groups))
-        pools = shared_pool_tensors(self.shm_path, plan)
         return TierKVWorker(copies, pools, self.rank)
 
     # ---- scheduler side --------------------------------------------------------------------------
@@ -134,4 +135,11 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                                                 enable_events=bool(self.config.enable_kv_cache_events),
                                                 cleanup=[self.manifest_path],
                                                 measure_recompute=s.recompute_tokens_per_s is None)
+        if manifest is not None:
+            # vLLM builds the scheduler after every worker has mapped the pool (the manifest is
+            # written after the mapping): both names can go now, so even a killed engine leaves
+            # nothing behind in shm_dir (vLLM kills a slow engine core before it shuts down).
+            for path in (self.shm_path, self.manifest_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         return self._manager
