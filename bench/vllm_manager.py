@@ -1,6 +1,6 @@
 """Scheduler-side cost per block: tierkv's vLLM manager against vLLM's ``CPUOffloadingManager``.
 
-    /work/vllm-venv/bin/python bench/vllm_manager.py [--requests 200] [--repeats 5]
+    .venv/bin/python bench/vllm_manager.py [--requests 200] [--repeats 5]
         [--groups 1,4] [--capacity 4096] [--variants vllm,tierkv,tierkv+file] [--page 1024]
         [--step-chunks 128] [--seed 0] [--profile] [--profile-variants tierkv] [--profile-top 25]
         [--json FILE]

@@ -173,3 +173,15 @@ def test_every_option_has_help_and_shows_its_default() -> None:
                 assert "(default:" in text, f"{p.prog} shows no defaults"
 
     walk(parser)
+    assert "(default: None)" not in parser.format_help()
+    for sub in ("demo", "simulate"):
+        text = tierkv(sub, "--help").stdout
+        assert "(default: None)" not in text and "(default: [])" not in text, text
+        assert "default: a temporary directory" in text
+
+
+def test_bench_serving_help_is_its_own() -> None:
+    res = tierkv("bench", "serving", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "usage: tierkv bench serving" in res.stdout and "--lengths" in res.stdout
+    no_traceback(res)

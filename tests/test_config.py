@@ -295,3 +295,13 @@ def test_round_trip(mode: str) -> None:
     assert again.tiers[1].shed_after_s == 0.5
     assert again.tiers[2].presence_ttl_s == 7.0
     assert again.fingerprint == cfg.fingerprint
+
+
+def test_from_env_sets_the_metrics_endpoint_and_refuses_a_bad_port(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg_dict()))
+    cfg = StoreConfig.from_env({"TIERKV_CONFIG": str(p), "TIERKV_METRICS_PORT": "9464",
+                                "TIERKV_METRICS_HOST": "0.0.0.0"})
+    assert (cfg.metrics_port, cfg.metrics_host) == (9464, "0.0.0.0")
+    with pytest.raises(ConfigError, match="metrics_port"):
+        StoreConfig.from_env({"TIERKV_CONFIG": str(p), "TIERKV_METRICS_PORT": "http"})

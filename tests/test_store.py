@@ -66,6 +66,19 @@ async def test_evicted_blocks_come_back_from_the_lower_tier() -> None:
         assert st.tiers[1].hits + st.tiers[1].promotions >= 8
 
 
+async def test_a_block_the_tier_already_holds_is_not_written_again() -> None:
+    async with TieredStore(config(LAYOUT, {"kind": "memory"}, slots={FULL: 4, SW: 4, REC: 2})) as store:
+        hs = hashes(8)
+        data = blocks(8, bb(FULL), seed=2)
+        await store.put(FULL, hs, data)  # 4 stay in the pool, 4 go down from a copy
+        await store.flush()
+        assert store.stats().tiers[1].stores == 8
+        await store.put(FULL, hs, data)  # the tier holds all 8: none is written again
+        await store.flush()
+        st = store.stats().tiers[1]
+        assert st.stores == 8 and st.stores_skipped >= 4
+
+
 async def test_lookup_is_synchronous_and_answers_pending_while_a_slow_tier_is_probed() -> None:
     slow = {"kind": "faulty", "inner": {"kind": "fsspec", "url": "memory://slow-probe"}, "delay_s": 0.5}
     async with TieredStore(config(LAYOUT, slow, slots=ALL)) as store:

@@ -279,3 +279,23 @@ class Admission:
         if req.named:
             req.waiting += sum(len(p.keys) for p in out)
         return out
+
+    def pin_problems(self, pools: Mapping[int, SlotPool]) -> list[str]:
+        """Pins in ``pools`` that the requests holding them do not account for (empty when sound).
+
+        Only meaningful while no cascade pins slots (cascades pin too)."""
+        problems = []
+        for g, pool in pools.items():
+            expected = [0] * pool.num_slots
+            for req in self.requests.values():
+                for key, grp in req.pins.items():
+                    if grp != g:
+                        continue
+                    s = pool.slot_of(key)
+                    if s is None:
+                        problems.append(f"group {g}: request {req.rid!r} pins {key.hex()}, not resident")
+                    else:
+                        expected[s] += 1
+            if expected != pool.pins:
+                problems.append(f"group {g}: pins do not match the requests holding them")
+        return problems

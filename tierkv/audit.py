@@ -1,6 +1,6 @@
 """What ``tierkv inspect`` and ``tierkv verify`` do: walk a persistent tier's root, read records.
 
-Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsspec.open_driver`:
+Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsopen.open_driver`:
 os calls for local paths, async s3fs for S3, any other fsspec file system) and classify what they
 list with :mod:`tierkv.backends.namespace`, the one owner of the on-disk layout (namespace
 manifests, records, temporary files of writers, and other files, which are never touched).
@@ -26,7 +26,8 @@ from typing import Any
 import anyio
 
 from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
-from tierkv.backends.fsspec import RECORD_OVERHEAD, Redactor, open_driver, redact_url, url_problem
+from tierkv.backends.fsopen import open_driver, url_problem
+from tierkv.backends.fsspec import RECORD_OVERHEAD
 from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -38,6 +39,7 @@ from tierkv.backends.namespace import (
     key_relpath,
     parse_manifest,
 )
+from tierkv.backends.redact import Redactor, redact_url
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
 from tierkv.layout import Layout
 from tierkv.record import RecordHeader, read_header, verify_record

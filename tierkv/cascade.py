@@ -52,6 +52,7 @@ class Cascader:
         admitted = 0
         for gw in self._gateways:
             idx = [i for i, k in enumerate(keys) if gw.presence(group, k, now) is not True]
+            gw.stats.stores_skipped += len(keys) - len(idx)
             if not idx:
                 admitted += 1
                 continue

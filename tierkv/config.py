@@ -143,14 +143,16 @@ class StoreConfig(BaseModel):
         """Build from ``TIERKV_CONFIG`` (a file path) and ``TIERKV_*`` overrides.
 
         ``TIERKV_NAMESPACE``, ``TIERKV_MAX_CONCURRENT_REQUESTS``, ``TIERKV_POLICY``,
-        ``TIERKV_PIN_LEASE_S`` override top-level keys; ``TIERKV_TIERS`` takes JSON.
+        ``TIERKV_PIN_LEASE_S``, ``TIERKV_RECOMPUTE_TOKENS_PER_S``, ``TIERKV_MAX_PENDING_S``,
+        ``TIERKV_METRICS_PORT`` and ``TIERKV_METRICS_HOST`` override top-level keys;
+        ``TIERKV_TIERS`` takes JSON.
         """
         env = os.environ if environ is None else environ
         data: dict[str, Any] = dict(base or {})
         if env.get(f"{ENV_PREFIX}CONFIG"):
             data.update(cls.from_file(env[f"{ENV_PREFIX}CONFIG"]).model_dump())
         for name in ("namespace", "max_concurrent_requests", "policy", "pin_lease_s",
-                     "recompute_tokens_per_s", "max_pending_s"):
+                     "recompute_tokens_per_s", "max_pending_s", "metrics_port", "metrics_host"):
             val = env.get(ENV_PREFIX + name.upper())
             if val is not None:
                 data[name] = val

@@ -25,6 +25,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierkv.metrics import CostStats
+
 __all__ = ["FALLBACK_DEADLINE_S", "CostModel", "Decision"]
 
 log = logging.getLogger("tierkv.cost")
@@ -105,3 +107,9 @@ class CostModel:
             log.debug("cost model: load %d of %d usable blocks (load %.3f s vs recompute %.3f s at %.0f "
                       "tokens/s)", best, usable, best_load, best * per_block, self.rate)
         return decision
+
+    def snapshot(self) -> CostStats:
+        """What the cost model knows and decided, for ``stats()``."""
+        return CostStats(recompute_tokens_per_s=self.rate, decisions=self.decisions,
+                         blocks_recomputed=self.blocks_recomputed,
+                         last=None if self.last is None else dict(self.last.__dict__))

@@ -29,7 +29,7 @@ import torch
 
 from tierkv.backends.base import Tier
 from tierkv.errors import BackendError
-from tierkv.metrics import Histogram, TierStats
+from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.pool import contiguous_run, wide_view
 
 __all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
@@ -452,6 +452,12 @@ class TierGateway:
                 self.probing.difference_update(keys)
 
     # ---- stats ----------------------------------------------------------------------------------
+    def drain_histograms(self) -> list[tuple[Metric, tuple[str, ...], list[float]]]:
+        """Load and store durations observed since the last call, with their metric and labels."""
+        labels = (str(self.index), self.tier.kind)
+        return [(HISTOGRAMS["load_seconds"], labels, self.load_seconds.drain()),
+                (HISTOGRAMS["store_seconds"], labels, self.store_seconds.drain())]
+
     def snapshot(self) -> TierStats:
         """Counters as of now (call under the lock)."""
         s = self.stats.model_copy()

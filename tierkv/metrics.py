@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from tierkv.pool import PoolPlan
+from tierkv.pool import PoolPlan, SlotPool
 
 __all__ = ["LATENCY_BUCKETS", "CostStats", "GroupStats", "Histogram", "HistogramStats", "Metric",
            "histogram_samples", "StoreStats", "TierStats", "all_metrics", "samples",
@@ -106,6 +106,14 @@ class GroupStats(BaseModel):
     #: READY and unpinned: what the next allocation may evict (free + evictable = available)
     evictable: int
     evictions: int
+
+    @classmethod
+    def of(cls, group: int, kind: str, pool: SlotPool) -> GroupStats:
+        """The state of ``pool``, the primary pool of ``group``."""
+        c = pool.counts()
+        return cls(group=group, kind=kind, slots=pool.num_slots, block_bytes=pool.block_bytes,
+                   free=c["free"], writing=c["writing"], ready=c["ready"], pinned=c["pinned"],
+                   evictable=c["evictable"], evictions=pool.evictions)
 
 
 class CostStats(BaseModel):

@@ -41,7 +41,7 @@ from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
-from tierkv.metrics import HISTOGRAMS, CostStats, GroupStats, HistogramStats, StoreStats, TierStats
+from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
 from tierkv.pool import SlotPool, plan_pools
 from tierkv.promotion import Promoter
 from tierkv.reader import Reader
@@ -413,11 +413,7 @@ class TieredStore:
     def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
         """The durations observed since the last call, per histogram and labels (the metric of
         :data:`tierkv.metrics.HISTOGRAMS`), for publishers that take raw values (vLLM's metrics)."""
-        out: list[tuple[Any, tuple[str, ...], list[float]]] = []
-        for gw in self._gateways:
-            labels = (str(gw.index), gw.tier.kind)
-            out.append((HISTOGRAMS["load_seconds"], labels, gw.load_seconds.drain()))
-            out.append((HISTOGRAMS["store_seconds"], labels, gw.store_seconds.drain()))
+        out = [o for gw in self._gateways for o in gw.drain_histograms()]
         if self._resolver is not None:
             out.append((HISTOGRAMS["pending_seconds"], (), self._resolver.pending_seconds.drain()))
         return [o for o in out if o[2]]
@@ -439,36 +435,15 @@ class TieredStore:
 
         For tests and debugging; it walks every slot, so it is not meant for a hot path.
         """
-        problems = []
-        cascading = self._cascader is not None and self._cascader.running
-        for g, pool in self._pools.items():
-            problems += pool.problems()
-            if cascading:
-                continue  # cascades pin slots too
-            expected = [0] * pool.num_slots
-            for req in self._admission.requests.values():
-                for key, grp in req.pins.items():
-                    if grp != g:
-                        continue
-                    s = pool.slot_of(key)
-                    if s is None:
-                        problems.append(f"group {g}: request {req.rid!r} pins {key.hex()}, not resident")
-                    else:
-                        expected[s] += 1
-            if expected != pool.pins:
-                problems.append(f"group {g}: pins do not match the requests holding them")
+        problems = [p for pool in self._pools.values() for p in pool.problems()]
+        if not (self._cascader is not None and self._cascader.running):  # cascades pin slots too
+            problems += self._admission.pin_problems(self._pools)
         return problems
 
     @locked
     def stats(self) -> StoreStats:
         """Counters per tier and per group, the pool plan, lookups and admission state."""
-        groups = []
-        for g, pool in self._pools.items():
-            c = pool.counts()
-            groups.append(GroupStats(group=g, kind=self.layout.groups[g].kind, slots=pool.num_slots,
-                                     block_bytes=pool.block_bytes, free=c["free"],
-                                     writing=c["writing"], ready=c["ready"], pinned=c["pinned"],
-                                     evictable=c["evictable"], evictions=pool.evictions))
+        groups = [GroupStats.of(g, self.layout.groups[g].kind, pool) for g, pool in self._pools.items()]
         prim = self._primary_stats.model_copy()
         prim.used_bytes = self._primary.used_bytes()
         prim.backend = dict(self._primary.counters)
@@ -481,9 +456,7 @@ class TieredStore:
             plan=plan, tiers=[prim] + [gw.snapshot() for gw in self._gateways], groups=groups,
             lookups=dict(self._lookups), requests_active=len(self._admission.requests),
             admission_queue=len(self._admission.queue),
-            cost=CostStats(recompute_tokens_per_s=self._cost.rate, decisions=self._cost.decisions,
-                           blocks_recomputed=self._cost.blocks_recomputed,
-                           last=None if self._cost.last is None else self._cost.last.__dict__),
+            cost=self._cost.snapshot(),
             pending_deadline_miss=self._cost.deadline_misses,
             pending_seconds=(self._resolver.pending_seconds.snapshot() if self._resolver is not None
                              else HistogramStats()),

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 import numpy as np
@@ -41,7 +38,7 @@ from pydantic import Field, PositiveInt, field_validator
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.capacity import Ledger
 from tierkv.backends.fsio import Driver, RecordSource, SpecialFile, temp_owner_alive
-from tierkv.backends.localfs import LocalDriver
+from tierkv.backends.fsopen import default_io_threads, open_driver, url_problem
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
@@ -52,7 +49,8 @@ from tierkv.backends.namespace import (
     namespace_path,
     record_path,
 )
-from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
+from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
+from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.record import (
     FIXED_HEADER_LEN,
@@ -71,7 +69,6 @@ log = logging.getLogger("tierkv.fsspec")
 
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
-EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
 #: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
 #: not fatal (records already there stay readable)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -143,208 +140,6 @@ class FsspecTierConfig(TierConfig):
                 value = redact_url(value)
             if name != "storage_options":
                 yield name, value
-
-
-def url_problem(url: str) -> str:
-    """Why ``url`` cannot be a tier's root ('' when it can): empty, or a file URL with no path
-    (which would put the tier in the working directory)."""
-    parts = urlsplit(url)
-    if not url.strip() or (parts.scheme in ("", "file", "local") and not (parts.netloc + parts.path).strip()):
-        return (f"names no location: {redact_url(url)!r} (a path or an fsspec URL such as "
-                "file:///var/cache/tierkv or s3://bucket/prefix)")
-    return ""
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user info (credentials) or query string."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-#: storage option names whose values are credentials (matched as substrings, lower case)
-_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session",
-                 "signature", "sas", "private")
-
-
-class Redactor:
-    """Removes the credentials of one tier (URL user info, secret storage options) from text."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        found: set[str] = set()
-        self._collect_url(url, found)
-        self._collect(storage_options, False, found)
-        #: longest first, so that a secret containing another is removed whole
-        self.secrets = sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
-
-    @staticmethod
-    def _collect_url(url: str, found: set[str]) -> None:
-        try:
-            parts = urlsplit(url)
-        except ValueError:
-            return
-        for v in (parts.username, parts.password):
-            if v:
-                found.update((v, unquote(v)))
-        if parts.query:
-            found.add(parts.query)
-
-    def _collect(self, value: Any, secret: bool, found: set[str]) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                name = str(k).lower()
-                self._collect(v, secret or any(w in name for w in _SECRET_WORDS), found)
-        elif isinstance(value, (list, tuple, set)):
-            for v in value:
-                self._collect(v, secret, found)
-        elif isinstance(value, (str, bytes)):
-            text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            if secret:
-                found.add(text)
-            elif "@" in text or "?" in text:
-                self._collect_url(text, found)
-        elif secret and value is not None and not isinstance(value, (bool, int, float)):
-            found.add(str(value))
-
-    def __call__(self, text: str) -> str:
-        """``text`` with every credential replaced by ``***``."""
-        for secret in self.secrets:
-            if secret in text:
-                text = text.replace(secret, "***")
-        return text
-
-    def error(self, exc: BaseException) -> str:
-        """A one-line description of ``exc`` (the first leaf of an exception group), redacted."""
-        while isinstance(getattr(exc, "exceptions", None), (list, tuple)) and exc.exceptions:  # type: ignore[attr-defined]
-            exc = exc.exceptions[0]  # type: ignore[attr-defined]
-        if isinstance(exc, OSError) and exc.strerror:
-            text = f"{type(exc).__name__}: [{exc.errno}] {exc.strerror}"
-        else:
-            text = f"{type(exc).__name__}: {str(exc)[:300]}"
-        return self(text)
-
-
-#: loggers of the libraries an fsspec tier drives: their records pass through the redactors of the
-#: open tiers (botocore logs access key ids and session tokens at DEBUG)
-_LIBRARY_LOGGERS = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3", "aiohttp",
-                              "gcsfs", "adlfs", "sshfs", "paramiko"})
-_redactors: weakref.WeakSet[Redactor] = weakref.WeakSet()
-
-
-def redact_library_logs(redactor: Redactor) -> None:
-    """Keep ``redactor``'s credentials out of the storage libraries' log records while it lives.
-
-    Installs (once) a log record factory that passes every record of those libraries' loggers,
-    message and formatted traceback, through the redactors of the tiers that hold credentials.
-    """
-    if not redactor.secrets:
-        return
-    _redactors.add(redactor)
-    current = logging.getLogRecordFactory()
-    if getattr(current, "_tierkv_redacts", False):
-        return
-
-    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = current(*args, **kwargs)
-        if _redactors and record.name.partition(".")[0] in _LIBRARY_LOGGERS:
-            try:
-                msg = record.getMessage()
-            except Exception:
-                return record
-            clean = msg
-            for r in list(_redactors):
-                clean = r(clean)
-            if clean != msg:
-                record.msg, record.args = clean, None
-            if record.exc_info:
-                text = logging.Formatter().formatException(record.exc_info)
-                for r in list(_redactors):
-                    text = r(text)
-                record.exc_text = text
-        return record
-
-    factory._tierkv_redacts = True  # type: ignore[attr-defined]
-    logging.setLogRecordFactory(factory)
-
-
-def _split_userinfo(url: str, protocol: str,
-                    storage_options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """For file and S3 URLs, ``url`` without user info; for S3 the user info becomes the ``key`` and
-    ``secret`` options (unless set). Other protocols get the URL as fsspec would (sftp, ftp, http
-    parse user info themselves); the tier's :class:`Redactor` keeps it out of messages.
-    """
-    parts = urlsplit(url)
-    if "@" not in parts.netloc or protocol not in ("s3", "s3a", "file", "local"):
-        return url, storage_options
-    opts = dict(storage_options)
-    if protocol in ("s3", "s3a"):
-        if parts.username:
-            opts.setdefault("key", unquote(parts.username))
-        if parts.password:
-            opts.setdefault("secret", unquote(parts.password))
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
-
-
-def default_io_threads(*, local: bool) -> int:
-    """``io_threads`` when not set: the CPU count (2 to 8) for local paths, else 4 requests."""
-    return max(2, min(8, os.cpu_count() or 2)) if local else 4
-
-
-#: s3fs client settings tierkv uses unless the storage options set them: one attempt per request
-#: (tierkv retries transient failures itself, within a bound) and timeouts that let a dead or hung
-#: server fail a request in seconds, not minutes
-S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
-                                "connect_timeout": 5, "read_timeout": 30}
-
-
-def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
-                threads: int | None, fsync: bool, depth: int = 16,
-                retry: RetryPolicy | None = None) -> tuple[Driver, str]:
-    """The driver and root path for ``url``. Must run inside the event loop (async file systems).
-
-    Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
-    CPU work, and more threads than cores only contend); other file systems are bounded by
-    ``limiter``.
-
-    User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
-    storage options (explicit ``storage_options`` win); in a file URL it is ignored.
-    """
-    parts = urlsplit(url)
-    protocol = parts.scheme or "file"
-    url, storage_options = _split_userinfo(url, protocol, storage_options)
-    if protocol in ("file", "local"):
-        parts = urlsplit(url)
-        root = (parts.netloc + parts.path) if parts.scheme else url
-        if not root.startswith("/"):
-            root = os.path.abspath(root)
-        threads = threads or default_io_threads(local=True)
-        return LocalDriver(limiter, threads, fsync, depth), root.rstrip("/") or "/"
-    import fsspec
-
-    try:
-        cls = fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as exc:
-        extra = EXTRA_FOR_PROTOCOL.get(protocol)
-        hint = f"; install it with: pip install 'tierkv[{extra}]'" if extra else ""
-        raise BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}") from None
-    try:
-        from_url = cls._get_kwargs_from_urls(url)
-    except Exception:
-        from_url = {}
-    options = {**from_url, **storage_options}
-    s3 = protocol in ("s3", "s3a")
-    if s3:
-        options["config_kwargs"] = {**S3_FAIL_FAST, **dict(options.get("config_kwargs") or {})}
-    if getattr(cls, "async_impl", False):
-        fs = cls(asynchronous=True, skip_instance_cache=True, **options)
-        if s3 and "retries" not in storage_options:
-            fs.retries = 1  # s3fs's own retry loop (on top of botocore's): tierkv's bounds instead
-        root = cls._strip_protocol(url).rstrip("/")
-        return AsyncDriver(limiter, fs, retry), root
-    fs = cls(skip_instance_cache=True, **options)
-    root = "/" + cls._strip_protocol(url).strip("/")
-    return SyncDriver(limiter, fs, inline=protocol == "memory"), root
 
 
 _tls = threading.local()

@@ -14,7 +14,14 @@ __all__ = ["Formatter", "console", "error", "kv_pairs", "nonneg_float", "positiv
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown in every option's help; descriptions keep their line breaks."""
+    """Defaults shown in every option's help (unless it says its own); descriptions keep their breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default == [] or any(
+                action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
 
 
 def error(message: str) -> None:

@@ -1,0 +1,111 @@
+"""Opening an fsspec tier's root: which URLs can be one, credentials in URLs, the driver for a
+protocol (local os calls, a synchronous or an asynchronous file system) and S3's fail-fast client."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import anyio
+
+from tierkv.backends.fsio import Driver
+from tierkv.backends.localfs import LocalDriver
+from tierkv.backends.redact import redact_url
+from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
+from tierkv.errors import BackendNotFound
+
+__all__ = ["S3_FAIL_FAST", "default_io_threads", "open_driver", "url_problem"]
+
+#: the extra to install for a protocol fsspec cannot load
+EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
+
+
+def url_problem(url: str) -> str:
+    """Why ``url`` cannot be a tier's root ('' when it can): empty, or a file URL with no path
+    (which would put the tier in the working directory)."""
+    parts = urlsplit(url)
+    if not url.strip() or (parts.scheme in ("", "file", "local") and not (parts.netloc + parts.path).strip()):
+        return (f"names no location: {redact_url(url)!r} (a path or an fsspec URL such as "
+                "file:///var/cache/tierkv or s3://bucket/prefix)")
+    return ""
+
+
+def _split_userinfo(url: str, protocol: str,
+                    storage_options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """For file and S3 URLs, ``url`` without user info; for S3 the user info becomes the ``key`` and
+    ``secret`` options (unless set). Other protocols get the URL as fsspec would (sftp, ftp, http
+    parse user info themselves); the tier's :class:`Redactor` keeps it out of messages.
+    """
+    parts = urlsplit(url)
+    if "@" not in parts.netloc or protocol not in ("s3", "s3a", "file", "local"):
+        return url, storage_options
+    opts = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        if parts.username:
+            opts.setdefault("key", unquote(parts.username))
+        if parts.password:
+            opts.setdefault("secret", unquote(parts.password))
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
+
+
+def default_io_threads(*, local: bool) -> int:
+    """``io_threads`` when not set: the CPU count (2 to 8) for local paths, else 4 requests."""
+    return max(2, min(8, os.cpu_count() or 2)) if local else 4
+
+
+#: s3fs client settings tierkv uses unless the storage options set them: one attempt per request
+#: (tierkv retries transient failures itself, within a bound) and timeouts that let a dead or hung
+#: server fail a request in seconds, not minutes
+S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                "connect_timeout": 5, "read_timeout": 30}
+
+
+def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
+                threads: int | None, fsync: bool, depth: int = 16,
+                retry: RetryPolicy | None = None) -> tuple[Driver, str]:
+    """The driver and root path for ``url``. Must run inside the event loop (async file systems).
+
+    Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
+    CPU work, and more threads than cores only contend); other file systems are bounded by
+    ``limiter``.
+
+    User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
+    storage options (explicit ``storage_options`` win); in a file URL it is ignored.
+    """
+    parts = urlsplit(url)
+    protocol = parts.scheme or "file"
+    url, storage_options = _split_userinfo(url, protocol, storage_options)
+    if protocol in ("file", "local"):
+        parts = urlsplit(url)
+        root = (parts.netloc + parts.path) if parts.scheme else url
+        if not root.startswith("/"):
+            root = os.path.abspath(root)
+        threads = threads or default_io_threads(local=True)
+        return LocalDriver(limiter, threads, fsync, depth), root.rstrip("/") or "/"
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        extra = EXTRA_FOR_PROTOCOL.get(protocol)
+        hint = f"; install it with: pip install 'tierkv[{extra}]'" if extra else ""
+        raise BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}") from None
+    try:
+        from_url = cls._get_kwargs_from_urls(url)
+    except Exception:
+        from_url = {}
+    options = {**from_url, **storage_options}
+    s3 = protocol in ("s3", "s3a")
+    if s3:
+        options["config_kwargs"] = {**S3_FAIL_FAST, **dict(options.get("config_kwargs") or {})}
+    if getattr(cls, "async_impl", False):
+        fs = cls(asynchronous=True, skip_instance_cache=True, **options)
+        if s3 and "retries" not in storage_options:
+            fs.retries = 1  # s3fs's own retry loop (on top of botocore's): tierkv's bounds instead
+        root = cls._strip_protocol(url).rstrip("/")
+        return AsyncDriver(limiter, fs, retry), root
+    fs = cls(skip_instance_cache=True, **options)
+    root = "/" + cls._strip_protocol(url).strip("/")
+    return SyncDriver(limiter, fs, inline=protocol == "memory"), root

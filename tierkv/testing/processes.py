@@ -1,0 +1,45 @@
+"""Child processes that die with their parent: the test servers' and the benchmarks' engines."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from typing import IO, Any
+
+__all__ = ["kill_group", "spawn"]
+
+try:  # loaded up front: no dlopen in a child between fork and exec
+    _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed if the parent dies
+
+
+def spawn(cmd: list[str], log: IO[bytes], env: dict[str, str], cwd: str | os.PathLike[str] | None = None,
+          stdin: int | None = subprocess.DEVNULL,
+          stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """A child in its own session (Ctrl-C reaches only the parent, which stops it), killed with the
+    parent; stderr (and stdout unless given) go to ``log``."""
+    return subprocess.Popen(cmd, stdin=stdin, stdout=log if stdout is None else stdout, stderr=log, env=env,
+                            cwd=cwd, start_new_session=True,
+                            preexec_fn=_die_with_parent if _LIBC is not None else None)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a child started by :func:`spawn` and everything in its session, then reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGCONT)  # a frozen child dies too
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
