@@ -1,0 +1,127 @@
+"""SGLang's host pools as tierkv groups, and the store configuration that follows from them.
+
+Each registered host pool becomes one group, in registration order (the KV pool first): ``kv`` and
+other per-token pools are ``full``, ``mamba`` is ``recurrent``, ``swa`` pools are
+``sliding_window`` with ``window_pages`` pages. The namespace names the model, the ranks and every
+pool's stored page format, so two deployments never read each other's pages.
+
+Rank-replicated models (MLA: SGLang's ``is_mla_model``) keep one copy per rank group: the
+namespace leaves the TP rank out, only SGLang's storage writer rank stores replicated pools, and
+pools that stay TP-sharded (Mamba) get rank-specific keys instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.adapters.sglang.config import PREFIX, SGLangConfig
+from tierkv.adapters.sglang.pages import PageCodec, codec_for
+from tierkv.errors import ConfigError
+from tierkv.layout import GroupSpec, Layout
+
+__all__ = ["PoolGroup", "StorePlan", "kind_of", "plan_store", "rank_identity"]
+
+_RECURRENT = frozenset({"mamba"})
+_SLIDING = frozenset({"swa", "auxiliary_swa", "draft_swa"})
+#: pools whose state is split across TP ranks even when the model's KV is replicated
+_RANK_SHARDED = frozenset({"mamba"})
+
+
+@dataclass(frozen=True)
+class PoolGroup:
+    """One SGLang host pool and the tierkv group that stores its pages."""
+
+    name: str
+    group: int
+    codec: PageCodec
+    kind: str
+    #: the same bytes on every TP rank (MLA KV): only the storage writer rank stores it
+    replicated: bool
+    #: mixed into the keys of a rank-sharded pool whose namespace every rank shares
+    salt: bytes | None
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """The groups and the :class:`~tierkv.TieredStore` config for one set of host pools."""
+
+    pools: dict[str, PoolGroup]
+    layout: Layout
+    namespace: str
+    store_config: dict[str, Any]
+
+
+def kind_of(name: str, settings: SGLangConfig) -> str:
+    """The group kind of a pool: ``pool_kinds`` first, then what SGLang's pool name says."""
+    if settings.pool_kinds and name in settings.pool_kinds:
+        return settings.pool_kinds[name]
+    if name in _RECURRENT:
+        return "recurrent"
+    return "sliding_window" if name in _SLIDING else "full"
+
+
+def rank_identity(storage_config: Any) -> tuple[str, bool]:
+    """The part of the namespace that names the model and this rank, and whether the model's KV is
+    replicated across TP ranks (then the TP rank is left out: one copy per rank group)."""
+    sc = storage_config
+    replicated = bool(sc.is_mla_model)
+    parts = [f"model={sc.model_name or ''}"]
+    if not replicated:
+        parts.append(f"tp={sc.tp_rank}/{sc.tp_size}")
+    parts += [f"pp={sc.pp_rank}/{sc.pp_size}", f"cp={sc.attn_cp_rank}/{sc.attn_cp_size}",
+              f"dp={getattr(sc, 'dp_rank', 0)}",
+              f"dcp={getattr(sc, 'dcp_rank', 0)}/{getattr(sc, 'dcp_size', 1)}"]
+    return "|".join(parts), replicated
+
+
+def _check_names(settings: SGLangConfig, names: list[str]) -> None:
+    for key in ("slots", "window_pages", "pool_kinds"):
+        given: Mapping[str, Any] | None = getattr(settings, key)
+        for name in given or {}:
+            if name not in names:
+                raise ConfigError(f"{PREFIX}.{key}.{name}: no such host pool (this model has: "
+                                  f"{', '.join(names)})")
+
+
+def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config: Any) -> StorePlan:
+    """Groups, layout, namespace and store config for the host pools SGLang registered
+    (name -> pool, the KV pool first); :class:`ConfigError` names a missing or bad key."""
+    names = list(pools)
+    if not names:
+        raise ConfigError("no host pool was registered with the tierkv storage backend")
+    _check_names(settings, names)
+    identity, replicated = rank_identity(storage_config)
+    shard_salt = f"tp={storage_config.tp_rank}/{storage_config.tp_size}".encode()
+    groups: dict[str, PoolGroup] = {}
+    specs = []
+    for i, name in enumerate(names):
+        codec = codec_for(pools[name])
+        kind = kind_of(name, settings)
+        window = None
+        if kind == "sliding_window":
+            window = (settings.window_pages or {}).get(name)
+            if window is None:
+                raise ConfigError(
+                    f"{PREFIX}.window_pages.{name}: required for the sliding-window pool {name!r} "
+                    f"(its attention window in pages: ceil(window tokens / page size))")
+        specs.append(GroupSpec(kind=kind, block_bytes=codec.block_bytes, window_blocks=window))
+        sharded = replicated and name in _RANK_SHARDED
+        groups[name] = PoolGroup(name=name, group=i, codec=codec, kind=kind,
+                                 replicated=replicated and not sharded,
+                                 salt=shard_salt if sharded else None)
+    anchor = groups["kv"] if "kv" in groups else groups[names[0]]
+    layout = Layout(tokens_per_block=anchor.codec.page_size, groups=specs)
+    pool_part = ";".join(f"{g.name}={g.codec.describe}" for g in groups.values())
+    namespace = f"sglang|{identity}|pools={pool_part}"
+    if settings.namespace:
+        namespace += f"|{settings.namespace}"
+    primary: dict[str, Any] = {"kind": "cpu", "capacity_bytes": settings.cpu_bytes_to_use}
+    if settings.slots:
+        primary["slots"] = {groups[n].group: v for n, v in settings.slots.items()}
+    store_config = {"layout": layout, "namespace": namespace,
+                    "max_concurrent_requests": settings.max_concurrent_requests,
+                    "policy": settings.eviction_policy, "pin_lease_s": settings.pin_lease_s,
+                    "tiers": [primary, *settings.tiers]}
+    return StorePlan(pools=groups, layout=layout, namespace=namespace, store_config=store_config)

@@ -1,0 +1,175 @@
+"""How the pages of one SGLang host pool become rows of tierkv blocks, and back.
+
+KV pages of SGLang's MHA and MLA host pools are stored in one canonical element order whatever
+the host layout (``layer_first``, ``page_first``, ``page_first_direct``, and ``page_head`` for MHA):
+MHA ``[k/v, token, layer, head, dim]``, MLA ``[token, layer, 1, dim]``, the order of SGLang's
+default ``page_first`` layout, where a page is then two plain copies (K and V). A deployment that
+changes its layout keeps its cache, and a pool can never load another layout's bytes scrambled. Any other
+pool (Mamba states, pools added by later SGLang versions) is stored as the pool's own flat page
+(``get_data_page``), and its class and layout are part of the namespace instead.
+
+Nothing here imports SGLang: pools are recognised by their class's qualified name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CanonicalCodec", "FlatCodec", "PageCodec", "Rows", "codec_for"]
+
+_MHA = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
+_MLA = "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost"
+
+View = Callable[[int], torch.Tensor]
+#: rows of block bytes: a ``[n, block_bytes]`` uint8 tensor or a list of 1-D uint8 row views
+Rows = torch.Tensor | Sequence[torch.Tensor]
+
+
+class PageCodec(ABC):
+    """Moves pages of one host pool into and out of ``[n, block_bytes]`` uint8 rows."""
+
+    #: host slots per page (tokens for KV pools, 1 for Mamba state pools)
+    page_size: int
+    #: bytes of one stored page
+    block_bytes: int
+    #: what the stored bytes mean (dtype, geometry, order); part of the namespace
+    describe: str
+
+    @abstractmethod
+    def gather(self, starts: Sequence[int], rows: Rows) -> None:
+        """Copy the page starting at host slot ``starts[i]`` into ``rows[i]``."""
+
+    @abstractmethod
+    def scatter(self, starts: Sequence[int], rows: Rows, positions: Sequence[int]) -> None:
+        """Copy ``rows[i]`` into the page starting at host slot ``starts[i]``, for ``i`` in ``positions``."""
+
+    @abstractmethod
+    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+        """Copy a flat page as SGLang's ``get_data_page(flat=True)`` makes it into ``row``."""
+
+    @abstractmethod
+    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy ``row`` into a flat page shaped like SGLang's ``get_dummy_flat_data_page()``."""
+
+
+class CanonicalCodec(PageCodec):
+    """KV pages stored in one element order: a strided view of each page, permuted to it."""
+
+    def __init__(self, view: View, perm: tuple[int, ...], page_size: int, describe: str) -> None:
+        self._view = view
+        self._perm = perm
+        sample = view(0)
+        self._view_shape = tuple(sample.shape)
+        self._canon_shape = tuple(sample.permute(perm).shape)
+        self._dtype = sample.dtype
+        self.page_size = page_size
+        self.block_bytes = sample.numel() * sample.element_size()
+        self.describe = describe
+
+    def _canon(self, row: torch.Tensor) -> torch.Tensor:
+        return row.view(self._dtype).view(self._canon_shape)
+
+    def gather(self, starts: Sequence[int], rows: Rows) -> None:
+        """See :meth:`PageCodec.gather`."""
+        for i, s in enumerate(starts):
+            self._canon(rows[i]).copy_(self._view(s).permute(self._perm))
+
+    def scatter(self, starts: Sequence[int], rows: Rows, positions: Sequence[int]) -> None:
+        """See :meth:`PageCodec.scatter`."""
+        for i in positions:
+            self._view(starts[i]).permute(self._perm).copy_(self._canon(rows[i]))
+
+    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+        """See :meth:`PageCodec.from_flat`."""
+        self._canon(row).copy_(page.reshape(self._view_shape).permute(self._perm))
+
+    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+        """See :meth:`PageCodec.to_flat`."""
+        target.view(self._view_shape).permute(self._perm).copy_(self._canon(row))
+
+
+class FlatCodec(PageCodec):
+    """Any host pool, through SGLang's page API: the pool's own flat page, byte for byte."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        dummy = pool.get_dummy_flat_data_page()
+        self._dtype: torch.dtype = dummy.dtype
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        self.block_bytes = int(dummy.numel() * dummy.element_size())
+        cls = type(pool)
+        self.describe = (f"{cls.__module__}.{cls.__qualname__}:layout={getattr(pool, 'layout', None)}"
+                         f":{self._dtype}:page={self.page_size}:bytes={self.block_bytes}")
+
+    def gather(self, starts: Sequence[int], rows: Rows) -> None:
+        """See :meth:`PageCodec.gather`."""
+        for i, s in enumerate(starts):
+            rows[i].copy_(_bytes(self._pool.get_data_page(s, flat=True)))
+
+    def scatter(self, starts: Sequence[int], rows: Rows, positions: Sequence[int]) -> None:
+        """See :meth:`PageCodec.scatter`."""
+        for i in positions:
+            self._pool.set_from_flat_data_page(starts[i], rows[i].view(self._dtype))
+
+    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+        """See :meth:`PageCodec.from_flat`."""
+        row.copy_(_bytes(page))
+
+    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+        """See :meth:`PageCodec.to_flat`."""
+        target.view(torch.uint8).view(-1).copy_(row)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).view(-1)
+
+
+def _qualname(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _mha(pool: Any) -> CanonicalCodec | None:
+    kv, ps, layout = pool.kv_buffer, int(pool.page_size), pool.layout
+    views: dict[str, tuple[View, tuple[int, ...]]] = {
+        "layer_first": (lambda s: kv[:, :, s:s + ps], (0, 2, 1, 3, 4)),
+        "page_first": (lambda s: kv[:, s:s + ps], (0, 1, 2, 3, 4)),
+        "page_first_direct": (lambda s: kv[:, s // ps], (0, 2, 1, 3, 4)),
+        "page_head": (lambda s: kv[:, s // ps], (0, 2, 3, 1, 4)),
+    }
+    if layout not in views or not isinstance(kv, torch.Tensor):
+        return None
+    view, perm = views[layout]
+    want = (2, ps, int(pool.layer_num), int(pool.head_num), int(pool.head_dim))
+    if tuple(view(0).permute(perm).shape) != want:
+        return None
+    return CanonicalCodec(view, perm, ps, f"mha:{kv.dtype}:kv,token,layer,head,dim={want}")
+
+
+def _mla(pool: Any) -> CanonicalCodec | None:
+    kv, ps, layout = pool.kv_buffer, int(pool.page_size), pool.layout
+    if int(getattr(pool, "dcp_size", 1)) != 1 or not isinstance(kv, torch.Tensor):
+        return None
+    views: dict[str, tuple[View, tuple[int, ...]]] = {
+        "layer_first": (lambda s: kv[:, s:s + ps], (1, 0, 2, 3)),
+        "page_first": (lambda s: kv[s:s + ps], (0, 1, 2, 3)),
+        "page_first_direct": (lambda s: kv[s // ps], (1, 0, 2, 3)),
+    }
+    if layout not in views:
+        return None
+    view, perm = views[layout]
+    shape = tuple(view(0).permute(perm).shape)
+    if len(shape) != 4 or shape[0] != ps or shape[1] != int(pool.layer_num) or shape[2] != 1:
+        return None
+    return CanonicalCodec(view, perm, ps, f"mla:{kv.dtype}:token,layer,1,dim={shape}")
+
+
+def codec_for(pool: Any) -> PageCodec:
+    """The codec of a host pool: canonical for SGLang's MHA and MLA KV pools, flat otherwise."""
+    name = _qualname(pool)
+    codec = _mha(pool) if name == _MHA else _mla(pool) if name == _MLA else None
+    return codec if codec is not None else FlatCodec(pool)

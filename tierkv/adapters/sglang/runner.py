@@ -1,0 +1,197 @@
+"""A :class:`~tierkv.TieredStore` on its own event loop thread, with the blocking calls SGLang's
+storage threads (prefetch, prefetch I/O, backup) need.
+
+Lookups go straight to the store (they are synchronous and thread-safe); reads and writes run on
+the store's loop through :class:`~tierkv.bridge.LoopThread`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tierkv.adapters.sglang.pages import Rows
+from tierkv.bridge import LoopThread
+from tierkv.errors import BlockMissing
+from tierkv.keys import make_key
+from tierkv.lookup import KeyState
+from tierkv.metrics import StoreStats
+from tierkv.store import TieredStore
+
+__all__ = ["Fill", "StoreRunner"]
+
+#: ``fill(positions, rows)``: write the blocks at ``positions`` (of a call's keys) into ``rows``
+Fill = Callable[[list[int], Rows], None]
+
+#: keys asked of the store per lookup call, at most (each call's promotions must fit the group's pool)
+LOOKUP_CHUNK = 128
+#: bytes of blocks per lookup call: each call's promotions land together, so smaller calls let the
+#: reads that follow start on the first blocks while later ones are still being read
+LOOKUP_CHUNK_BYTES = 8 << 20
+_POLL_START_S = 0.0005
+_POLL_MAX_S = 0.01
+
+
+class StoreRunner:
+    """Owns the loop thread and the store; every method blocks the calling thread only."""
+
+    def __init__(self, store_config: dict[str, Any]) -> None:
+        self._loop = LoopThread()
+        try:
+            self.store: TieredStore = self._loop.enter(TieredStore(store_config))
+        except BaseException:
+            self._loop.stop()
+            raise
+        groups = self.store.stats().groups
+        self._chunk = {g.group: max(1, min(LOOKUP_CHUNK, g.slots // 2, LOOKUP_CHUNK_BYTES // g.block_bytes))
+                       for g in groups}
+        self._pool_rows = _pool_tensors(self.store)
+        self._closed = False
+
+    def put(self, group: int, hashes: Sequence[bytes], rows: torch.Tensor) -> None:
+        """Store ``rows[i]`` as block ``hashes[i]``; returns once they are in the CPU pool."""
+        self._loop.call(self.store.put, group, hashes, rows)
+
+    def write(self, group: int, hashes: Sequence[bytes], fill: Fill,
+              staging: Callable[[], torch.Tensor]) -> None:
+        """Store blocks ``hashes``: ``fill(positions, rows)`` writes block ``hashes[positions[j]]`` into
+        ``rows[j]``. Returns once they are in the CPU pool (lower tiers are written in the background).
+
+        The rows are reserved slots of the CPU pool itself (blocks already held are skipped), so a
+        page is copied once; when the pool has no room now, they are ``staging()`` rows and the
+        store takes a copy.
+        """
+        pool = self._pool_rows.get(group)
+        if pool is not None:
+            engine = self.store.engine
+            keys = [make_key(h, group) for h in hashes]
+            res = engine.reserve(group, keys)
+            if res is not None:
+                pos = [i for i, slot in enumerate(res.slots) if slot is not None]
+                new = [keys[i] for i in pos]
+                try:
+                    fill(pos, [pool[res.slots[i]] for i in pos])
+                except BaseException:
+                    engine.commit(group, new, success=False)
+                    raise
+                engine.commit(group, new)
+                return
+        rows = staging()
+        fill(list(range(len(hashes))), rows)
+        self.put(group, hashes, rows)
+
+    def get(self, group: int, hashes: Sequence[bytes], rows: torch.Tensor) -> list[bool]:
+        """Read the blocks into ``rows``; per block, whether it was read (and verified)."""
+        try:
+            self._loop.call(self.store.get, group, hashes, rows)
+        except BlockMissing as exc:
+            ok = [True] * len(hashes)
+            for i in exc.missing:
+                ok[i] = False
+            return ok
+        return [True] * len(hashes)
+
+    def read(self, group: int, hashes: Sequence[bytes], use: Callable[[torch.Tensor, list[bool]], None],
+             staging: Callable[[], torch.Tensor]) -> list[bool]:
+        """Hand the blocks' rows to ``use(rows, ok)``; per block, whether it was read (and verified).
+
+        When every block is in the CPU pool (or on its way there: ``batch_exists`` promotes what it
+        finds), ``rows`` are the pool's own rows, pinned while ``use`` runs; otherwise the blocks are
+        read into ``staging()`` (from the pool where they are, straight from a lower tier where not).
+        """
+        try:
+            return self._loop.call(self._use_borrowed, group, hashes, use)
+        except BlockMissing:
+            pass
+        rows = staging()
+        ok = self.get(group, hashes, rows)
+        use(rows, ok)
+        return ok
+
+    async def _use_borrowed(self, group: int, hashes: Sequence[bytes],
+                            use: Callable[[torch.Tensor, list[bool]], None]) -> list[bool]:
+        # ``use`` runs on the loop thread: one round trip instead of two, and it is a short copy
+        async with self.store.borrow(group, hashes) as rows:
+            ok = [True] * len(hashes)
+            use(rows, ok)
+            return ok
+
+    def present(self, group: int, hashes: Sequence[bytes], timeout_s: float,
+                stop_at_miss: bool) -> tuple[list[bool], int]:
+        """Whether each block is held by some tier, waiting up to ``timeout_s`` for presence probes.
+
+        With ``stop_at_miss`` the answer past the first absent block is False without asking.
+        Blocks found on a lower tier start moving into the CPU pool now (tierkv's lookups promote).
+        Returns the answers and how many blocks were still unknown when the time ran out (False).
+        """
+        n = len(hashes)
+        out = [False] * n
+        deadline = time.monotonic() + timeout_s
+        chunk = self._chunk.get(group, 1)
+        timed_out = 0
+        for lo in range(0, n, chunk):
+            todo = list(range(lo, min(n, lo + chunk)))
+            delay = _POLL_START_S
+            first_miss = n
+            while True:
+                states = self.store.lookup_states(group, [hashes[i] for i in todo])
+                waiting = []
+                for i, st in zip(todo, states, strict=True):
+                    if st is KeyState.PROBING:
+                        waiting.append(i)
+                    elif st is KeyState.MISS:
+                        first_miss = min(first_miss, i)
+                    else:
+                        out[i] = True
+                if stop_at_miss:
+                    waiting = [i for i in waiting if i < first_miss]
+                if not waiting:
+                    break
+                if time.monotonic() >= deadline:
+                    timed_out += len(waiting)
+                    first_miss = min(first_miss, waiting[0])
+                    break
+                time.sleep(delay)
+                delay = min(2 * delay, _POLL_MAX_S)
+                todo = waiting
+            if stop_at_miss and first_miss < n:
+                for i in range(first_miss, n):
+                    out[i] = False
+                break
+        return out, timed_out
+
+    def flush(self) -> None:
+        """Wait until every write to the lower tiers has finished (or failed, counted)."""
+        self._loop.call(self.store.flush)
+
+    def stats(self) -> StoreStats:
+        """The store's counters (``TieredStore.stats()``)."""
+        return self.store.stats()
+
+    def clear(self) -> int:
+        """Empty the CPU pool (lower tiers keep their blocks); how many blocks were dropped."""
+        return self.store.engine.clear()
+
+    def close(self) -> None:
+        """Finish writes to the lower tiers, close the store and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.stop()
+
+
+def _pool_tensors(store: TieredStore) -> dict[int, torch.Tensor]:
+    """The CPU pool's ``[slots, block_bytes]`` tensor per group, for writes into reserved slots;
+    empty (every write then goes through ``put``) if the primary does not expose them."""
+    pools = getattr(store.tiers[0], "pools", None)
+    if not isinstance(pools, dict):
+        return {}
+    out = {}
+    for g, p in pools.items():
+        t = getattr(p, "tensor", None)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 2:
+            out[g] = t
+    return out
