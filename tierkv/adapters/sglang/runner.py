@@ -39,12 +39,7 @@ class StoreRunner:
     """Owns the loop thread and the store; every method blocks the calling thread only."""
 
     def __init__(self, store_config: dict[str, Any]) -> None:
-        self._loop = LoopThread()
-        try:
-            self.store: TieredStore = self._loop.enter(TieredStore(store_config))
-        except BaseException:
-            self._loop.stop()
-            raise
+        self._loop, self.store = LoopThread.running(TieredStore(store_config))
         groups = self.store.stats().groups
         self._chunk = {g.group: max(1, min(LOOKUP_CHUNK, g.slots // 2, LOOKUP_CHUNK_BYTES // g.block_bytes))
                        for g in groups}

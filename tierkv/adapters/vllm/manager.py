@@ -152,12 +152,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def __init__(self, store_config: dict[str, Any], group_order: list[int],
                  enable_events: bool = False, cleanup: list[str] | None = None,
                  measure_recompute: bool = False) -> None:
-        self._loop = LoopThread()
-        try:
-            self.store: TieredStore = self._loop.enter(TieredStore(store_config))
-        except BaseException:
-            self._loop.stop()
-            raise
+        self._loop, self.store = LoopThread.running(TieredStore(store_config))
         self.engine: EngineSlots = self.store.engine
         self.layout: Layout = self.store.layout
         self._cacheable = frozenset(self.layout.cacheable_groups)
