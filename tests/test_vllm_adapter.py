@@ -293,6 +293,25 @@ def test_a_killed_engine_leaves_nothing_in_shm_dir(tmp_path: Path) -> None:
         e.close()
 
 
+def test_the_scheduler_process_hands_the_gil_over_often(tmp_path: Path) -> None:
+    """vLLM's step loop spins while a restore is pending; the I/O threads must not wait 5 ms for
+    each hand-over of the GIL (gil_switch_interval_s, default 0.5 ms; unset leaves it alone)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        e = Engine(tmp_path / "a", [(0, 16)], engine="gil")
+        e.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.005)
+        e = Engine(tmp_path / "b", [(0, 16)], {"gil_switch_interval_s": None}, engine="gil-off")
+        e.close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_a_stalled_tier_turns_hit_pending_into_miss_at_the_deadline(tmp_path: Path) -> None:
     """A lower tier that never answers: vLLM sees HIT_PENDING, then MISS once max_pending_s has
     passed (the request recomputes), and nothing stays pinned."""

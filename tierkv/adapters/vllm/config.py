@@ -42,3 +42,7 @@ class AdapterConfig(EngineSettings):
     #: no request stays HIT_PENDING / RETRY longer than this (then MISS: recompute); unset: the
     #: recompute time of what it waits for, else 60 s
     max_pending_s: PositiveFloat | None = None
+    #: at most this GIL switch interval in the scheduler's process (``sys.setswitchinterval``):
+    #: vLLM's step loop spins while a restore is pending, and with Python's default 5 ms every
+    #: hand-over of the GIL to tierkv's I/O threads waits that long (unset: leave it as it is)
+    gil_switch_interval_s: PositiveFloat | None = 0.0005

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -123,6 +124,8 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             layout = Layout.model_validate(manifest["layout"])
             slots = {int(g): int(n) for g, n in manifest["slots"].items()}
         s = self.settings
+        if s.gil_switch_interval_s is not None and sys.getswitchinterval() > s.gil_switch_interval_s:
+            sys.setswitchinterval(s.gil_switch_interval_s)
         store_config = {
             "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
             "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
