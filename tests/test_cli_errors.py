@@ -154,6 +154,23 @@ def test_ctrl_c_exits_130_without_a_traceback() -> None:
     assert "Traceback" not in err and "interrupted" in err
 
 
+def test_ctrl_c_while_the_commands_are_still_importing_exits_130_without_a_traceback() -> None:
+    """SIGINT arrives while the command modules (torch among them) are being imported: a slow
+    disk or a cold page cache makes that window seconds long."""
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class Interrupt(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'tierkv.cli.run_cmds':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from tierkv.cli import main\n"
+            "sys.exit(main(['demo']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "interrupted" in proc.stderr
+
+
 def test_every_option_has_help_and_shows_its_default() -> None:
     parser = build_parser()
 

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
+from types import FrameType
 
-from tierkv.cli import bench_cmds, run_cmds, tier_cmds
-from tierkv.cli.common import Formatter, error
+
+def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
+    os.write(2, b"tierkv: error: interrupted\n")
+    os._exit(130)
+
+
+# Ctrl-C while the commands' modules (torch among them) are still being imported: the same one
+# line and exit status as later, never a traceback out of an import
+try:
+    _previous = signal.signal(signal.SIGINT, _interrupted_while_starting)
+except ValueError:  # imported outside the main thread
+    _previous = None
+try:
+    from tierkv.cli import bench_cmds, run_cmds, tier_cmds
+    from tierkv.cli.common import Formatter, error
+finally:
+    if _previous is not None:
+        signal.signal(signal.SIGINT, _previous)
 
 __all__ = ["build_parser", "main"]
 
