@@ -150,7 +150,9 @@ def test_ctrl_c_exits_130_without_a_traceback() -> None:
     time.sleep(4)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    # 130, or death by SIGINT, which a shell reports as 130 too (seen when the signal lands while
+    # the interpreter is already exiting)
+    assert proc.returncode in (130, -signal.SIGINT), err
     assert "Traceback" not in err and "interrupted" in err
 
 
