@@ -265,6 +265,14 @@ class PhaseResult:
     missing: int = 0
     notes: list[str] = field(default_factory=list)
 
+    def verify(self, cache: str, blocks: Blocks, dest: np.ndarray, loaded: np.ndarray) -> None:
+        """Count the blocks a ``cache`` load got wrong or missed (compared with what was stored)."""
+        bad, missing = blocks.count_bad(dest, loaded)
+        self.bad += bad
+        self.missing += missing
+        if bad or missing:
+            self.notes.append(f"{cache} load: {bad} blocks with wrong bytes, {missing} missing")
+
 
 def guarantee(wrong: str, wrong_ok: bool | None, capacity: str, capacity_ok: bool | None, restart: str,
               restart_ok: bool | None) -> dict[str, Any]:
@@ -528,11 +536,7 @@ class ManagerSystem(System):
                     res.cold_dropped = drop_caches() if self.cfg.drop else False
                 dt = self.load(mgr, blocks, keys, blocks.calls, dest, loaded)
                 setattr(res, f"{cache}_s", dt)
-                bad, missing = blocks.count_bad(dest, loaded)
-                res.bad += bad
-                res.missing += missing
-                if bad or missing:
-                    res.notes.append(f"{cache} load: {bad} blocks with wrong bytes, {missing} missing")
+                res.verify(cache, blocks, dest, loaded)
         finally:
             mgr.shutdown()
         return res

@@ -186,11 +186,7 @@ def phase(cmd: dict[str, Any]) -> dict[str, Any]:
             if cache == "cold":
                 res.cold_dropped = peers.drop_caches() if cmd["drop"] else False
             setattr(res, f"{cache}_s", load(d, keys, blocks.calls, dest, loaded))
-            bad, missing = blocks.count_bad(dest, loaded)
-            res.bad += bad
-            res.missing += missing
-            if bad or missing:
-                res.notes.append(f"{cache} load: {bad} blocks with wrong bytes, {missing} missing")
+            res.verify(cache, blocks, dest, loaded)
     finally:
         d.close()
     return {"result": asdict(res)}

@@ -30,7 +30,7 @@ from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, Resolver, Work
 from tierkv.pool import SlotPool, SlotState
 
-__all__ = ["EngineSlots", "EvictionListener", "Reservation"]
+__all__ = ["EngineSlots", "EvictionListener", "Reservation", "pool_for"]
 
 #: called under the store's lock with a group and the keys that just left its primary pool
 EvictionListener = Callable[[int, list[bytes]], None]
@@ -42,6 +42,15 @@ class Reservation:
 
     slots: list[int | None]
     evicted: list[bytes]
+
+
+def pool_for(pools: Mapping[int, SlotPool], layout: Layout, group: int) -> SlotPool:
+    """The pool of ``group``; :class:`InvalidArgument` (or the layout's error) when it has none."""
+    pool = pools.get(group) if type(group) is int else None
+    if pool is None:
+        layout.group(group)  # raises the clear error for an unknown group
+        raise InvalidArgument(f"group {group} has no pool")
+    return pool
 
 
 class EngineSlots:
@@ -67,11 +76,7 @@ class EngineSlots:
 
     def _pool(self, group: int) -> SlotPool:
         self._check_open()
-        pool = self._pools.get(group) if type(group) is int else None
-        if pool is None:
-            self._layout.group(group)  # raises the clear error for an unknown group
-            raise InvalidArgument(f"group {group} has no pool")
-        return pool
+        return pool_for(self._pools, self._layout, group)
 
     # ---- eviction events ------------------------------------------------------------------------
     def subscribe_evictions(self, listener: EvictionListener) -> Callable[[], None]:

@@ -35,14 +35,14 @@ from tierkv.bridge import LoopBridge, locked
 from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
 from tierkv.costmodel import CostModel
-from tierkv.engine import EngineSlots, Reservation
+from tierkv.engine import EngineSlots, Reservation, pool_for
 from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
 from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
-from tierkv.pool import SlotPool, plan_pools
+from tierkv.pool import SlotPool
 from tierkv.promotion import Promoter
 from tierkv.reader import Reader
 from tierkv.tensors import byte_rows, take_rows
@@ -114,9 +114,7 @@ class TieredStore:
                 await t.open()
                 opened.append(t)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                for t in reversed(opened):
-                    await _close_quietly(t)
+            await _close_all(opened)
             raise
         self._pools = self._primary.pools
         lock = self._lock
@@ -142,9 +140,7 @@ class TieredStore:
             try:
                 self._metrics = MetricsServer(self.stats, self.config.metrics_host, self.config.metrics_port)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    for t in reversed(self._tiers):
-                        await _close_quietly(t)
+                await _close_all(self._tiers)
                 raise
         await self._bridge.start()
         self._open = True
@@ -170,8 +166,7 @@ class TieredStore:
                 if self._metrics is not None:
                     self._metrics.close()
                     self._metrics = None
-                for t in reversed(self._tiers):
-                    await _close_quietly(t)
+            await _close_all(self._tiers)
 
     def _check_open(self) -> None:
         if not self._open:
@@ -196,12 +191,8 @@ class TieredStore:
 
     # ---- validation -----------------------------------------------------------------------------
     def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
-        pool = self._pools.get(group) if type(group) is int else None
-        if pool is None:
-            self.layout.group(group)  # raises the clear error
-            raise InvalidArgument(f"group {group} has no pool")
-        tail = group.to_bytes(GROUP_BYTES, "big")
-        return pool, [h + tail for h in check_hashes(hashes)]
+        pool = pool_for(self._pools, self.layout, group)
+        return pool, [h + group.to_bytes(GROUP_BYTES, "big") for h in check_hashes(hashes)]
 
     # ---- put ------------------------------------------------------------------------------------
     async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
@@ -447,13 +438,9 @@ class TieredStore:
         prim = self._primary_stats.model_copy()
         prim.used_bytes = self._primary.used_bytes()
         prim.backend = dict(self._primary.counters)
-        plan = self._primary.plan
-        if plan is None:
-            cfg = self.config.tiers[0]
-            plan = plan_pools(cfg.capacity_bytes, self.layout, self.config.max_concurrent_requests,
-                              getattr(cfg, "slots", None))
         return StoreStats(
-            plan=plan, tiers=[prim] + [gw.snapshot() for gw in self._gateways], groups=groups,
+            plan=self._primary.planned(), tiers=[prim] + [gw.snapshot() for gw in self._gateways],
+            groups=groups,
             lookups=dict(self._lookups), requests_active=len(self._admission.requests),
             admission_queue=len(self._admission.queue),
             cost=self._cost.snapshot(),
@@ -472,8 +459,11 @@ async def _guarded(fn: Callable[[], Awaitable[None]]) -> None:
         log.exception("background work of a tier failed")
 
 
-async def _close_quietly(t: Tier) -> None:
-    try:
-        await t.close()
-    except Exception:
-        log.exception("closing tier %s failed", t.describe())
+async def _close_all(tiers: list[Tier]) -> None:
+    """Close ``tiers``, last first, even when cancelled; a failure is logged and the rest still close."""
+    with anyio.CancelScope(shield=True):
+        for t in reversed(tiers):
+            try:
+                await t.close()
+            except Exception:
+                log.exception("closing tier %s failed", t.describe())

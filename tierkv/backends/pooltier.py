@@ -62,15 +62,21 @@ class PoolTier(Tier):
     def _device(self) -> torch.device:
         return torch.device("cpu")
 
+    def planned(self) -> PoolPlan:
+        """The pools' plan: the one in use once open, else the one ``open`` would make."""
+        if self.plan is not None:
+            return self.plan
+        assert isinstance(self.config, CpuTierConfig)
+        return plan_pools(self.config.capacity_bytes, self.context.layout,
+                          self.context.max_concurrent_requests, self.config.slots)
+
     async def open(self) -> None:
         """Plan the pools and allocate them once."""
         assert isinstance(self.config, CpuTierConfig)
         device = self._device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"tier {self.kind!r}: device {device} requested but CUDA is not available")
-        layout = self.context.layout
-        self.plan = plan_pools(self.config.capacity_bytes, layout,
-                               self.context.max_concurrent_requests, self.config.slots)
+        self.plan = self.planned()
         shared = None
         if self.config.shm_path is not None:
             if device.type != "cpu":

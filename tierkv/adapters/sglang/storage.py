@@ -164,7 +164,10 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return [False] * len(keys)
         t0 = time.perf_counter()
         _, transfers = self._ensure_open()
-        ok = transfers.read(pool, self._hashes(pool, keys), starts)
+        return self._count_reads(pool, transfers.read(pool, self._hashes(pool, keys), starts), t0)
+
+    def _count_reads(self, pool: PoolGroup, ok: list[bool], t0: float) -> list[bool]:
+        """Pages read (and failed) since ``t0``, into the prefetch metrics; ``ok`` as given."""
         good = sum(ok)
         if good < len(ok):
             self.metrics.count("prefetch_pages_failed", len(ok) - good)
@@ -273,11 +276,8 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 return [None] * len(keys)
             t0 = time.perf_counter()
             _, transfers = self._ensure_open()
-            ok = transfers.read_flat(pool, self._hashes(pool, keys), target_locations)
-            good = sum(ok)
-            if good < len(ok):
-                self.metrics.count("prefetch_pages_failed", len(ok) - good)
-            self.metrics.observe("prefetch", good, good * pool.codec.block_bytes, t0)
+            ok = self._count_reads(pool, transfers.read_flat(pool, self._hashes(pool, keys),
+                                                             target_locations), t0)
             return [t if f else None for t, f in zip(target_locations, ok, strict=True)]
 
         return self._guard("batch_get", [None] * len(keys), run)
