@@ -385,6 +385,44 @@ async def test_scan_removes_temporary_files_of_dead_writers_only(tmp_path: Path)
     await tier.close()
 
 
+async def test_the_background_listing_waits_while_reads_are_in_flight(tmp_path: Path) -> None:
+    """Accounting for capacity is background work: a restore that starts as the tier opens gets
+    the CPU first, and the listing runs once the reads are done."""
+    writer = make_tier(f"file://{tmp_path}")
+    await writer.open()
+    await writer.put(FULL, keys(8), rand_blocks(8, BB))
+    await writer.close()
+    tier = make_tier(f"file://{tmp_path}")
+    await tier.open()
+    gate = anyio.Event()
+    real = tier.driver.read_each
+
+    async def held(*args: Any) -> Any:
+        await gate.wait()  # a read that takes its time
+        return await real(*args)
+
+    tier.driver.read_each = held  # type: ignore[method-assign]
+    out = torch.zeros((8, BB), dtype=torch.uint8)
+    got: list[list[bool]] = []
+
+    async def read() -> None:
+        got.append(await tier.get(FULL, keys(8), out))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await anyio.sleep(0.01)  # the read is in flight
+        tg.start_soon(tier.background)
+        await anyio.sleep(0.3)
+        assert "scanned" not in tier.counters, "the listing ran while a read was in flight"
+        gate.set()
+        with anyio.fail_after(10):
+            await tier.wait_scanned()
+        tg.cancel_scope.cancel()
+    assert got == [[True] * 8]
+    assert tier.counters["scanned"] == 8
+    await tier.close()
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()

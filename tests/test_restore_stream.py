@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import anyio
@@ -104,3 +106,61 @@ async def test_stores_past_max_queued_bytes_are_shed_and_counted(tmp_path: Path)
         out = torch.zeros_like(blocks)
         await store.get(0, hs, out)
         assert torch.equal(out, blocks)
+
+
+async def test_one_by_one_lookups_of_a_request_load_as_one_batch(tmp_path: Path) -> None:
+    """An engine that looks keys up one at a time (vLLM) admits one block per lookup; the blocks
+    one request asked for in one pass load together, not one read call each."""
+    n = 32
+    hs, blocks = hashes(n, doc=3), data(n, seed=3)
+    tier = {"kind": "fsspec", "url": f"file://{tmp_path}"}  # default bounds: one load batch fits
+    async with TieredStore(cfg(tier)) as writer:
+        await writer.put(0, hs, blocks)
+        await writer.flush()
+    keys = [h + (0).to_bytes(4, "big") for h in hs]
+    async with TieredStore(cfg(tier)) as store:
+        # a new store knows nothing: the first lookups probe the tier, and promote nothing yet
+        assert {store.engine.key_state(0, k, "r").value for k in keys} == {"probing"}
+        with anyio.fail_after(30):
+            while store.stats().tiers[1].probes < n:
+                await anyio.sleep(0.005)
+        states = {store.engine.key_state(0, k, "r").value for k in keys}  # one pass, no awaits
+        assert states == {"promoting"}
+        with anyio.fail_after(30):
+            while store.engine.ready_slots(0, keys).count(None):
+                await anyio.sleep(0.005)
+        loads = store.stats().tiers[1].load_seconds.count
+        assert loads == 1, f"{n} blocks of one lookup pass took {loads} read calls"
+        out = torch.zeros_like(blocks)
+        await store.get(0, hs, out, request_id="r")
+        assert torch.equal(out, blocks)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+async def test_pool_memory_is_given_back_at_close_not_at_garbage_collection() -> None:
+    """Closing a store frees its pools at once: a collection much later would charge the unmap of
+    gigabytes to whatever runs then (the next restore, say)."""
+    size = 128 << 20
+    layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])
+    gc.disable()  # the store is kept alive below; no collection may free it by chance
+    try:
+        store = TieredStore({"layout": layout, "namespace": "mem",
+                             "tiers": [{"kind": "cpu", "slots": {0: size // BB}}]})
+        async with store:
+            hs = hashes(4, doc=4)
+            await store.put(0, hs, data(4, seed=4))
+            async with store.borrow(0, hs) as rows:
+                kept = rows.clone()
+            del rows
+            open_rss = _rss_bytes()
+        freed = open_rss - _rss_bytes()
+        assert freed > size * 3 // 4, f"closing freed {freed >> 20} MiB of a {size >> 20} MiB pool"
+        assert torch.equal(kept, data(4, seed=4))
+        assert store.stats().tiers[0].kind == "cpu"  # a closed store still answers stats()
+    finally:
+        gc.enable()

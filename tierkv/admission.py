@@ -265,14 +265,23 @@ class Admission:
             if not items:
                 continue
             pool = self.pools[g]
-            got = pool.allocate([k for k, _ in items])
+            keys = [k for k, _ in items]
+            got = pool.allocate(keys)
             assert got is not None, "admission checked availability"
+            slots = got[0]
+            owner = req if req.named else None
+            # the keys are new to the pool, so no request pins them yet
+            pool.pin_many(slots)
+            req.pins.update(dict.fromkeys(keys, g))
+            tiers = {tier for _, tier in items}
+            if len(tiers) == 1:
+                out.append(Promotion(g, tiers.pop(), keys, slots, owner))
+                continue
             by_tier: dict[int, Promotion] = {}
-            for (key, tier), s in zip(items, got[0], strict=True):
-                self.pin(req, g, key, s)
+            for (key, tier), s in zip(items, slots, strict=True):
                 p = by_tier.get(tier)
                 if p is None:
-                    p = by_tier[tier] = Promotion(g, tier, [], [], req if req.named else None)
+                    p = by_tier[tier] = Promotion(g, tier, [], [], owner)
                 p.keys.append(key)
                 p.slots.append(s)
             out += by_tier.values()

@@ -31,6 +31,7 @@ from tierkv.backends.base import Tier
 from tierkv.errors import BackendError
 from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.pool import contiguous_run, wide_view
+from tierkv.tensors import as_bytes, row_span
 
 __all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
 
@@ -235,6 +236,25 @@ class TierGateway:
         while len(self._presence) > PRESENCE_CACHE_ENTRIES:
             self._presence.popitem(last=False)
 
+    def note_many(self, keys: Sequence[bytes], present: Sequence[bool], now: float) -> None:
+        """:meth:`note` of many keys at once (what a load or a store of a batch told)."""
+        self.version += 1
+        cache = self._presence
+        cfg = self.cfg
+        absent = (False, now + cfg.negative_ttl_s)
+        if self.fast:
+            for k, f in zip(keys, present, strict=True):
+                cache.pop(k, None)
+                if not f:
+                    cache[k] = absent
+        else:
+            found = (True, now + cfg.presence_ttl_s)
+            for k, f in zip(keys, present, strict=True):
+                cache.pop(k, None)  # re-inserted: the most recent end
+                cache[k] = found if f else absent
+        while len(cache) > PRESENCE_CACHE_ENTRIES:
+            cache.popitem(last=False)
+
     def forget(self, key: bytes) -> None:
         """Drop a cached presence answer."""
         self.version += 1
@@ -314,9 +334,7 @@ class TierGateway:
                     self._store_budget.release(nbytes)
                 self.store_admitted_bytes -= nbytes
                 self.store_admitted_ops -= 1
-                now = time.monotonic()
-                for k, good in zip(keys, ok, strict=True):
-                    self.note(k, good, now)  # a failed store is never seen as present
+                self.note_many(keys, ok, time.monotonic())  # a failed store is never seen as present
                 n_ok = sum(ok)
                 self.stats.stores += n_ok
                 self.stats.stores_failed += len(keys) - n_ok
@@ -382,7 +400,7 @@ class TierGateway:
         direct = run is not None and dest.device.type == "cpu"
         if direct:
             assert run is not None
-            buf = dest.view(torch.uint8).reshape(dest.shape[0], block)[run[0]:run[1]]
+            buf = row_span(as_bytes(dest, dest.shape[0], block), run[0], run[1])
         else:
             buf = torch.empty((len(keys), block), dtype=torch.uint8)
         t0 = time.monotonic()
@@ -408,8 +426,7 @@ class TierGateway:
         with self._lock:
             now = time.monotonic()
             self.load_seconds.observe(now - t0)
-            for k, f in zip(keys, found, strict=True):
-                self.note(k, f, now)
+            self.note_many(keys, found, now)
             self.stats.hits += len(good)
             self.stats.misses += len(keys) - len(good)
             self.stats.bytes_read += len(good) * block
@@ -436,9 +453,7 @@ class TierGateway:
             async with self._read_limiter:
                 found = await self.tier.contains(group, keys)
             with self._lock:
-                now = time.monotonic()
-                for k, f in zip(keys, found, strict=True):
-                    self.note(k, f, now)
+                self.note_many(keys, found, time.monotonic())
                 self.stats.probes += len(keys)
         except Exception as exc:
             log.warning("probing tier %d (%s) failed: %s", self.index, self.tier.describe(), _why(exc))
@@ -483,7 +498,7 @@ def _why(exc: BaseException) -> str:
 def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) -> torch.Tensor:
     """The CPU rows of ``src`` to write: a view when they are one run on the CPU, else a copy."""
     if run is not None:
-        t = src[run[0]:run[1]]
+        t = row_span(src, run[0], run[1])
     else:
         t = src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
     return t if t.device.type == "cpu" else t.cpu()

@@ -425,6 +425,12 @@ class SlotPool:
         """The bytes of slot ``s`` as a view."""
         return self.tensor[s]
 
+    def release(self) -> None:
+        """Give the pool's memory back now (the store closed), not whenever the garbage collector
+        gets to the store: freeing gigabytes takes tens of milliseconds, which a collection would
+        charge to whatever runs next. Views handed out (borrowed rows) keep their own memory."""
+        self.tensor = self._wide = torch.empty((0, self.block_bytes), dtype=torch.uint8, device=self.device)
+
 
 def contiguous_run(idx: Sequence[int]) -> tuple[int, int] | None:
     """``(start, stop)`` when ``idx`` is ``start, start+1, ..., stop-1``; None otherwise."""

@@ -12,13 +12,26 @@ from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 
-from tierkv.admission import Admission, Promotion
+from tierkv.admission import Admission, Promotion, Request
 from tierkv.bridge import LoopBridge
 from tierkv.gateway import TierGateway
 from tierkv.lookup import Work
 from tierkv.pool import SlotPool
 
-__all__ = ["Promoter"]
+__all__ = ["Landing", "Promoter"]
+
+
+class Landing:
+    """What waiters of one promotion's blocks wait on: an event set as each batch lands.
+
+    One event per batch, not per block (a 1,024-block restore made 1,024 events): a waiter wakes
+    when any batch of its promotion lands, finds its block READY or not, and waits on the next.
+    """
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
 
 
 class Promoter:
@@ -31,18 +44,31 @@ class Promoter:
         self._gateways = gateways
         self._admission = admission
         self._changed = changed
-        #: keys being promoted -> the event set when each lands (or fails)
-        self.promoting: dict[bytes, anyio.Event] = {}
+        #: keys being promoted -> their promotion's :class:`Landing`
+        self.promoting: dict[bytes, Landing] = {}
         #: keys waiting for a scheduled probe task: (tier position, group) -> keys
         self._probe_batches: dict[tuple[int, int], list[bytes]] = {}
+        #: promotions whose task is scheduled and has not started, by (tier, group, request):
+        #: later promotions of the same request ride along (an engine that looks keys up one by
+        #: one admits one block per lookup; they load as one batch, not one read call each)
+        self._scheduled: dict[tuple[int, int, Request | None], tuple[Promotion, Landing]] = {}
 
     def start(self, work: Work) -> None:
         """Start the promotions and probes of ``work`` (call under the lock)."""
         for p in work.promotions:
-            for k in p.keys:
-                self.promoting[k] = anyio.Event()
+            slot = (p.tier, p.group, p.request)
+            waiting = self._scheduled.get(slot)
+            if waiting is not None:
+                first, landing = waiting
+                first.keys.extend(p.keys)
+                first.slots.extend(p.slots)
+                self.promoting.update(dict.fromkeys(p.keys, landing))
+                continue
+            landing = Landing()
+            self.promoting.update(dict.fromkeys(p.keys, landing))
+            self._scheduled[slot] = (p, landing)
             self._bridge.begin()
-            self._bridge.spawn(self._promote, p)
+            self._bridge.spawn(self._promote, slot)
         for (pos, group), keys in work.probes.items():
             gw = self._gateways[pos]
             keys = [k for k in dict.fromkeys(keys) if k not in gw.probing]
@@ -57,23 +83,31 @@ class Promoter:
             self._bridge.begin()
             self._bridge.spawn(self._probe, gw, pos, group)
 
-    async def _promote(self, p: Promotion) -> None:
+    async def _promote(self, slot: tuple[int, int, Request | None]) -> None:
+        with self._bridge.lock:
+            p, landing = self._scheduled.pop(slot)  # what rides along is in p from here on
         gw = self._gateways[p.tier]
         pool = self._pools[p.group]
+        remaining = [len(p.keys)]
 
         def landed(positions: list[int], ok: list[bool]) -> None:
             p.landed(ok)
-            good = [p.slots[i] for i, f in zip(positions, ok, strict=True) if f]
+            slots, keys, promoting = p.slots, p.keys, self.promoting
+            good = [slots[i] for i, f in zip(positions, ok, strict=True) if f]
             pool.mark_ready(good)
             gw.stats.promotions += len(good)
-            for i, f in zip(positions, ok, strict=True):
-                key = p.keys[i]
-                if not f:
-                    gw.stats.promotions_failed += 1
-                    self._admission.drop(p.group, key)
-                ev = self.promoting.pop(key, None)
-                if ev is not None:
-                    self._bridge.set_event(ev)
+            if len(good) < len(positions):
+                for i, f in zip(positions, ok, strict=True):
+                    if not f:
+                        gw.stats.promotions_failed += 1
+                        self._admission.drop(p.group, keys[i])
+            for i in positions:
+                promoting.pop(keys[i], None)
+            remaining[0] -= len(positions)
+            ev = landing.event
+            if remaining[0] > 0:
+                landing.event = anyio.Event()  # for the blocks still on their way
+            self._bridge.set_event(ev)
 
         try:
             await gw.load(p.group, p.keys, pool.tensor, p.slots, on_batch=landed)

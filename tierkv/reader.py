@@ -24,7 +24,7 @@ from tierkv.gateway import TierGateway
 from tierkv.metrics import TierStats
 from tierkv.pool import SlotPool, SlotState, contiguous_run
 from tierkv.promotion import Promoter
-from tierkv.tensors import take_rows
+from tierkv.tensors import row_span, take_rows
 
 __all__ = ["Reader"]
 
@@ -45,7 +45,8 @@ class Reader:
         self._changed = changed
 
     def _waiter(self, key: bytes) -> anyio.Event | None:
-        return self._promoter.promoting.get(key) or self._engine.storing(key)
+        landing = self._promoter.promoting.get(key)
+        return landing.event if landing is not None else self._engine.storing(key)
 
     def _done(self, req: Request | None, keys: list[bytes]) -> None:
         if req is not None:
@@ -151,8 +152,7 @@ class Reader:
                 with self._lock:
                     missing, waits, slots = self._lendable(pool, keys)
                     if not missing and not waits:
-                        for k, s in zip(keys, slots, strict=True):
-                            self._admission.pin(lender, group, k, s)
+                        self._admission.pin_many(lender, group, keys, slots)
                         break
                 if missing:
                     raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are not "
@@ -164,7 +164,7 @@ class Reader:
                     await ev.wait()
             run = contiguous_run(slots)
             if run is not None:
-                rows = pool.tensor[run[0]:run[1]]
+                rows = row_span(pool.tensor, run[0], run[1])
             else:
                 rows = pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.int64, device=pool.device))
             with self._lock:

@@ -167,6 +167,8 @@ class TieredStore:
                     self._metrics.close()
                     self._metrics = None
             await _close_all(self._tiers)
+            for pool in self._pools.values():
+                pool.release()
 
     def _check_open(self) -> None:
         if not self._open:

@@ -6,7 +6,23 @@ import torch
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["byte_rows", "take_rows"]
+__all__ = ["as_bytes", "byte_rows", "row_span", "take_rows"]
+
+
+def as_bytes(t: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
+    """``t`` (checked rows) as a ``[n, block_bytes]`` uint8 tensor: ``t`` itself when it already is.
+
+    Torch releases the GIL in ``view`` and ``reshape``; on a busy 2-core machine taking it back
+    costs more than the call, so hot paths skip them when they would change nothing.
+    """
+    if t.dtype is torch.uint8 and t.dim() == 2 and t.shape[0] == n and not t.requires_grad:
+        return t
+    return t.detach().view(torch.uint8).reshape(n, block_bytes)
+
+
+def row_span(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of ``t`` as a view (``narrow``: unlike indexing, it keeps the GIL)."""
+    return t if start == 0 and stop == t.shape[0] else t.narrow(0, start, stop - start)
 
 
 def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.device,
@@ -38,7 +54,7 @@ def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.devi
     if writable and t.requires_grad:
         raise InvalidArgument(f"{what} must not require grad")
     try:
-        return t.detach().view(torch.uint8).reshape(n, block_bytes)
+        return as_bytes(t, n, block_bytes)
     except RuntimeError as exc:
         raise InvalidArgument(f"{what} cannot be viewed as bytes: {str(exc).splitlines()[0]}") from None
 
@@ -48,5 +64,5 @@ def take_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
     if len(idx) == t.shape[0] and all(i == j for j, i in enumerate(idx)):
         return t
     if idx and idx[-1] - idx[0] + 1 == len(idx) and all(s == idx[0] + j for j, s in enumerate(idx)):
-        return t[idx[0]:idx[-1] + 1]
+        return row_span(t, idx[0], idx[-1] + 1)
     return t.index_select(0, torch.tensor(idx, dtype=torch.int64, device=t.device))

@@ -61,6 +61,32 @@ class Ledger:
         self._put(path, size, now if last is None or now - last >= self.touch_after_s else last)
         return last is None or now - last >= self.touch_after_s
 
+    def read_many(self, paths: list[str], sizes: list[int], now: float) -> tuple[bool, list[str]]:
+        """:meth:`read` of many records: whether any was not known yet (another node's, say), and
+        the paths whose time on storage should be refreshed."""
+        order, mtime, after = self._order, self._mtime, self.touch_after_s
+        learned = False
+        touch = []
+        for path, size in zip(paths, sizes, strict=True):
+            old = order.get(path)
+            if old == size:
+                order.move_to_end(path)
+            else:
+                if old is None:
+                    learned = True
+                else:
+                    self.used -= old
+                    del order[path]
+                order[path] = size
+                self.used += size
+            last = mtime.get(path)
+            if last is None or now - last >= after:
+                mtime[path] = now
+                touch.append(path)
+        if self._deleted:
+            self._deleted.difference_update(paths)
+        return learned, touch
+
     def _put(self, path: str, size: int, mtime: float) -> None:
         self._deleted.discard(path)
         old = self._order.pop(path, None)

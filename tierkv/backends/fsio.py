@@ -26,8 +26,9 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["BytesSource", "Driver", "Entry", "INLINE_BYTES", "RecordSource", "SpecialFile", "TEMP_MARK",
-           "WouldBlock", "abs_path", "info_mtime", "temp_name", "temp_owner_alive"]
+__all__ = ["BytesSource", "Driver", "Entry", "INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "RecordSource",
+           "SpecialFile", "TEMP_MARK", "WouldBlock", "abs_path", "info_mtime", "temp_name",
+           "temp_owner_alive"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -35,6 +36,11 @@ R = TypeVar("R")
 #: batches of about this many bytes or fewer have their CPU work done inline, larger ones in a
 #: worker thread
 INLINE_BYTES = 1 << 20
+
+#: the longest a listing waits in all for ``pause`` to say False (then it goes on regardless)
+PAUSE_MAX_S = 30.0
+#: how long a paused listing sleeps before it asks again
+PAUSE_STEP_S = 0.005
 
 #: temporary files are ``.<name>.tkvtmp-<host>-<pid>-<random>``: host and pid say who wrote them
 TEMP_MARK = ".tkvtmp-"
@@ -146,8 +152,13 @@ class Driver:
         """Remove paths; absent ones are ignored."""
         raise NotImplementedError
 
-    async def listdir(self, root: str) -> list[Entry]:
-        """Every file under ``root`` (recursively), temporary files included."""
+    async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
+        """Every file under ``root`` (recursively), temporary files included.
+
+        ``pause``, when given, is asked between directories: while it says True (the tier is
+        serving reads, say), a driver that lists directory by directory waits before going on,
+        for at most :data:`PAUSE_MAX_S` in all, so a background listing never slows a restore.
+        """
         raise NotImplementedError
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],

@@ -37,7 +37,14 @@ from pydantic import Field, PositiveInt, field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.capacity import Ledger
-from tierkv.backends.fsio import Driver, RecordSource, SpecialFile, temp_owner_alive
+from tierkv.backends.fsio import (
+    PAUSE_MAX_S,
+    PAUSE_STEP_S,
+    Driver,
+    RecordSource,
+    SpecialFile,
+    temp_owner_alive,
+)
 from tierkv.backends.fsopen import default_io_threads, open_driver, url_problem
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -61,6 +68,7 @@ from tierkv.record import (
     none_parts_match,
     read_header,
 )
+from tierkv.tensors import as_bytes
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_threads", "open_driver",
            "record_path", "redact_url", "url_problem"]
@@ -181,6 +189,8 @@ class FsspecTier(Tier):
         self._evicting = False
         self._scan_done = anyio.Event()
         self._list_now = anyio.Event()
+        #: ``get`` calls in flight: the background listing gives way to them
+        self._reading = 0
 
     def describe(self) -> str:
         """The URL without credentials."""
@@ -260,6 +270,7 @@ class FsspecTier(Tier):
         ``capacity_bytes``, list the namespace again every ``rescan_s`` (sooner after this process
         wrote ``rescan_fraction`` of the capacity), so processes sharing the tier bound it together."""
         if self.cfg.scan_on_open:
+            await self._quiet()
             await self.scan()
         self._scan_done.set()
         if self.cfg.capacity_bytes is None or self.cfg.rescan_s <= 0:
@@ -268,7 +279,18 @@ class FsspecTier(Tier):
             with anyio.move_on_after(self.cfg.rescan_s):
                 await self._list_now.wait()
             self._list_now = anyio.Event()
+            await self._quiet()
             await self.scan()
+
+    def _busy(self) -> bool:
+        return self._reading > 0
+
+    async def _quiet(self) -> None:
+        """Wait (at most ``PAUSE_MAX_S``) until no read is in flight: a listing is CPU work that
+        would slow a restore in progress, and it can wait."""
+        with anyio.move_on_after(PAUSE_MAX_S):
+            while self._busy():
+                await anyio.sleep(PAUSE_STEP_S)
 
     async def close(self) -> None:
         """Close connections; a tier that wrote since its last listing lists (and evicts) once more
@@ -295,7 +317,9 @@ class FsspecTier(Tier):
         """
         try:
             started, written = time.time(), self._ledger.written
-            listing = classify(self.root, await self.driver.listdir(self.ns_root))
+            entries = await self.driver.listdir(self.ns_root, pause=self._busy)
+            # sorting a large listing is seconds of CPU: off the event loop
+            listing = await anyio.to_thread.run_sync(classify, self.root, entries)
             now = time.time()
             stale = []
             for e, rel, _ in listing.temps:
@@ -388,10 +412,13 @@ class FsspecTier(Tier):
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         """Read, verify and decode records into ``out``; a damaged record is a counted miss, removed."""
+        self._reading += 1
         try:
             return await self._get(keys, out)
         except Exception as exc:
             raise self._error("reading records", exc) from None
+        finally:
+            self._reading -= 1
 
     def _read_into(self, key: bytes, row: np.ndarray, heads: dict[int, tuple[bytes, bytes]],
                    src: RecordSource) -> int | str | None:
@@ -427,9 +454,8 @@ class FsspecTier(Tier):
         return data.nbytes
 
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
-        out8 = out.view(torch.uint8).reshape(len(keys), -1)
-        block_bytes = out8.shape[1]
-        np_out = out8.numpy()
+        block_bytes = out.numel() * out.element_size() // max(1, len(keys))
+        np_out = as_bytes(out, len(keys), block_bytes).numpy()
         heads: dict[int, tuple[bytes, bytes]] = {}
         if self.cfg.codec == "none":
             # per key length: the header every none record of this tier's blocks has, around the key
@@ -444,15 +470,13 @@ class FsspecTier(Tier):
             return self._read_into(keys[i], np_out[i], heads, src)
 
         verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes)
-        found, corrupt, touch = [], [], []
-        learned = False
-        now = time.time()
+        found: list[bool] = []
+        corrupt, read_paths, read_sizes = [], [], []
         for path, k, v in zip(paths, keys, verdicts, strict=True):
-            if isinstance(v, int):
+            if type(v) is int:
                 found.append(True)
-                learned = learned or path not in self._ledger  # another process's, or not listed yet
-                if self._ledger.read(path, v, now):
-                    touch.append(path)
+                read_paths.append(path)
+                read_sizes.append(v)
                 continue
             found.append(False)
             if isinstance(v, BaseException):
@@ -465,6 +489,8 @@ class FsspecTier(Tier):
                 self.count(f"corrupt_{v}")
                 log.warning("corrupt record (%s) in %s: %s removed", v, self.describe(), k.hex())
                 corrupt.append(path)
+        # records not known yet were another process's, or not listed yet
+        learned, touch = self._ledger.read_many(read_paths, read_sizes, time.time())
         if corrupt:
             for path in corrupt:
                 self._ledger.forget(path)

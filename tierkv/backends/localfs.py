@@ -7,6 +7,8 @@ import errno
 import functools
 import os
 import stat
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -14,6 +16,8 @@ from typing import Any, TypeVar
 import anyio
 
 from tierkv.backends.fsio import (
+    PAUSE_MAX_S,
+    PAUSE_STEP_S,
     Driver,
     Entry,
     RecordSource,
@@ -28,11 +32,27 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+#: a call's items are handed to the worker threads in chunks of about this many bytes (or fewer
+#: items, when that gives every thread a chunk): small enough that the threads end a call
+#: together, large enough that handing chunks out costs nothing next to reading them
+CHUNK_BYTES = 8 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 #: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
 _NOT_REGULAR = (errno.ESPIPE, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EAGAIN)
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _special(exc: OSError, path: str) -> OSError:
+    """``exc`` as :class:`SpecialFile` when it says the path is not a regular file, else itself."""
+    if exc.errno in (errno.ELOOP, errno.EMLINK):
+        return SpecialFile(errno.ELOOP, "a symlink where a record should be", path)
+    if exc.errno in _NOT_REGULAR:
+        return SpecialFile(exc.errno, "not a regular file where a record should be", path)
+    return exc
 
 
 def _open_record(path: str) -> int | None:
@@ -43,15 +63,11 @@ def _open_record(path: str) -> int | None:
     at the first read.
     """
     try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):
-            raise SpecialFile(errno.ELOOP, "a symlink where a record should be", path) from None
-        if exc.errno in _NOT_REGULAR:
-            raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
-        raise
+        raise _special(exc, path) from None
 
 
 class LocalSource:
@@ -62,42 +78,44 @@ class LocalSource:
     block), so page-cache hits never queue behind reads of cold records.
     """
 
+    __slots__ = ("nowait", "path")
+
     def __init__(self, path: str, nowait: bool = False) -> None:
         self.path = path
         self.nowait = nowait and RWF_NOWAIT is not None
 
     def _read(self, fd: int, bufs: list[Any]) -> int:
         try:
-            if not self.nowait or RWF_NOWAIT is None:
+            if not self.nowait:
                 return os.readv(fd, bufs)
             try:
-                got = os.preadv(fd, bufs, 0, RWF_NOWAIT)
+                got = os.preadv(fd, bufs, 0, RWF_NOWAIT)  # type: ignore[arg-type]
             except BlockingIOError:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
                     raise WouldBlock from None
                 raise
-            if got < sum(memoryview(b).nbytes for b in bufs) and got % _PAGE == 0:
+            if got % _PAGE == 0 and got < sum(memoryview(b).nbytes for b in bufs):
                 # short at a page boundary: the file ends here, or the page cache holds no more
                 # of it (a read that stops inside a page stopped at the end of the file: pages
                 # are cached whole)
                 try:
-                    if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):
+                    if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):  # type: ignore[arg-type]
                         raise WouldBlock
                 except BlockingIOError:
                     raise WouldBlock from None
             return got
         except OSError as exc:
-            if exc.errno in _NOT_REGULAR:
-                raise SpecialFile(exc.errno, "not a regular file where a record should be",
-                                  self.path) from None
-            raise
+            raise _special(exc, self.path) from None
 
     def readinto(self, bufs: list[Any]) -> int | None:
         """One read into ``bufs``. Regular files read short only at their end, so a result equal
         to the total length of ``bufs`` means the file is at least that long."""
-        fd = _open_record(self.path)
-        if fd is None:
+        try:
+            fd = os.open(self.path, _OPEN_FLAGS)
+        except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise _special(exc, self.path) from None
         try:
             return self._read(fd, bufs)
         finally:
@@ -118,6 +136,11 @@ class LocalSource:
             return buf[:got]
         finally:
             os.close(fd)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _chunks(n: int, parts: int) -> list[range]:
@@ -147,7 +170,6 @@ class LocalDriver(Driver):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: ThreadPoolExecutor | None = None
-        self._calls = 0  # map() calls in flight
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads."""
@@ -157,12 +179,29 @@ class LocalDriver(Driver):
                        pool: ThreadPoolExecutor | None = None) -> list[T]:
         """Run ``calls`` on the pool; their results in order, once every one has ended.
 
-        On cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
+        The event loop is woken once, when the last call ends (not once per call). On
+        cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
         those running to end early, and this waits for them before it raises.
         """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        left = [len(calls)]
+        count = threading.Lock()
+
+        def finished(_: object) -> None:
+            with count:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                loop.call_soon_threadsafe(_resolve, done)
+
         jobs = [(pool or self._pool).submit(c) for c in calls]
+        for j in jobs:
+            j.add_done_callback(finished)
         try:
-            return [await asyncio.wrap_future(j) for j in jobs]
+            if jobs:
+                await done
+            return [j.result() for j in jobs]
         except BaseException:
             if stop is not None:
                 stop[0] = True
@@ -174,12 +213,15 @@ class LocalDriver(Driver):
                     await asyncio.wait(running)
             raise
 
-    async def map(self, fn: Callable[[int], T], n: int) -> list[T | OSError]:
+    async def map(self, fn: Callable[[int], T], n: int, nbytes: int = 0) -> list[T | OSError]:
         """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads.
 
         Per item, what ``fn`` returned or the ``OSError`` it raised: a tier does a whole per-record
-        job (encode + write) in one worker thread, with no intermediate buffers handed back. A
-        cancelled call returns once the items already running have ended; no other item starts.
+        job (encode + write) in one worker thread, with no intermediate buffers handed back.
+        Items go to the threads in chunks of about :data:`CHUNK_BYTES` (``nbytes`` is the whole
+        call's), so the threads finish a call together instead of one idling while the other
+        works through a long chunk. A cancelled call returns once the items already running have
+        ended; no other item starts.
         """
         results: list[T | OSError] = [None] * n  # type: ignore[list-item]
         stop = [False]
@@ -193,13 +235,8 @@ class LocalDriver(Driver):
                 except (OSError, WouldBlock) as exc:
                     results[i] = exc  # type: ignore[assignment]
 
-        # split a call over the threads only when there are not already enough calls to keep them busy
-        parts = 1 if self._calls >= self.threads else self.threads
-        self._calls += 1
-        try:
-            await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
-        finally:
-            self._calls -= 1
+        parts = max(self.threads, -(-nbytes // CHUNK_BYTES))
+        await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
         return results
 
     async def close(self) -> None:
@@ -219,7 +256,7 @@ class LocalDriver(Driver):
             self._write_one(paths[i], parts)
             return sum(memoryview(p).nbytes for p in parts)
 
-        return list(await self.map(one, len(paths)))
+        return list(await self.map(one, len(paths), nbytes))
 
     async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
                         nbytes: int) -> list[R | BaseException]:
@@ -230,7 +267,7 @@ class LocalDriver(Driver):
         for it, so a cold batch keeps the device busy without slowing down warm reads.
         """
         results: list[Any] = await self.map(lambda i: job(i, LocalSource(paths[i], nowait=True)),
-                                             len(paths))
+                                             len(paths), nbytes)
         cold = [i for i, r in enumerate(results) if isinstance(r, WouldBlock)]
         if cold:
             if self._cold is None:
@@ -347,12 +384,15 @@ class LocalDriver(Driver):
 
         await self.run(unlink_all)
 
-    async def listdir(self, root: str) -> list[Entry]:
-        """Walk ``root`` in a worker thread."""
+    async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
+        """Walk ``root`` in a worker thread (waiting between directories while ``pause()``)."""
 
         def walk() -> list[Entry]:
             out = []
+            deadline = time.monotonic() + PAUSE_MAX_S
             for d, _, files in os.walk(root):
+                while pause is not None and pause() and time.monotonic() < deadline:
+                    time.sleep(PAUSE_STEP_S)
                 for name in files:
                     p = f"{d}/{name}"
                     try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.backends.fsio import TEMP_MARK, Entry
-from tierkv.keys import split_key
+from tierkv.keys import GROUP_BYTES, split_key
 from tierkv.layout import Layout
 
 __all__ = [
@@ -71,10 +71,14 @@ def record_name(key: bytes) -> str:
 
 def key_relpath(key: bytes) -> str:
     """``g<group>/<n0n1>/<n2n3>/<name>``: where ``key``'s record lives within its namespace."""
-    _, group = split_key(key)
-    name = record_name(key)
-    digits = name[1:] if name.startswith(_HASHED) else name
-    return f"g{group:08x}/{digits[:2]}/{digits[2:4]}/{name}"
+    if not isinstance(key, (bytes, bytearray)) or len(key) <= GROUP_BYTES:
+        split_key(key)  # raises the one error for what is not a key
+    if len(key) <= MAX_NAMED_KEY:
+        # one hex() gives the name, the fan-out digits and the group (its last 8 digits)
+        name = key.hex()
+        return f"g{name[-8:]}/{name[:2]}/{name[2:4]}/{name}"
+    digits = hashlib.blake2b(key, digest_size=32).hexdigest()
+    return f"g{key[-GROUP_BYTES:].hex()}/{digits[:2]}/{digits[2:4]}/{_HASHED}{digits}"
 
 
 def namespace_path(root: str, fingerprint: str) -> str:

@@ -78,8 +78,8 @@ class SyncDriver(Driver):
 
         await self._call(rm)
 
-    async def listdir(self, root: str) -> list[Entry]:
-        """``fs.find`` with details."""
+    async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
+        """``fs.find`` with details (one call: ``pause`` is not asked)."""
 
         def find() -> list[Entry]:
             try:
@@ -225,8 +225,8 @@ class AsyncDriver(Driver):
         """DELETE requests."""
         await self._gather(self.fs._rm_file, [(p,) for p in paths])
 
-    async def listdir(self, root: str) -> list[Entry]:
-        """A recursive listing."""
+    async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
+        """A recursive listing (one paginated call: ``pause`` is not asked)."""
         async def find() -> dict[str, Any]:
             found: dict[str, Any] = await self.fs._find(root, detail=True)
             return found
