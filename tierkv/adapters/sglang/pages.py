@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["CanonicalCodec", "FlatCodec", "PageCodec", "Rows", "codec_for"]
@@ -56,10 +57,55 @@ class PageCodec(ABC):
         """Copy ``row`` into a flat page shaped like SGLang's ``get_dummy_flat_data_page()``."""
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class _StridedPages:
+    """Numpy views of a host buffer's pages in canonical order, with no torch call per page.
+
+    Torch releases the GIL in every ``view``/``permute``/``copy_`` (five per page), and on a busy
+    machine each hand-over of the GIL costs more than the copy of a small page; numpy copies a
+    strided page in one call. A page at host slot ``s`` is the page at slot 0 shifted by
+    ``s // page_size`` page strides (SGLang's pages start at multiples of the page size).
+    """
+
+    def __init__(self, buffer: torch.Tensor, view: View, perm: tuple[int, ...], page_size: int,
+                 pages: int) -> None:
+        es = buffer.element_size()
+        if buffer.device.type != "cpu" or not buffer.is_contiguous() or es not in _UINT:
+            raise ValueError("not a plain CPU buffer")
+        self._flat = buffer.detach().reshape(-1).view(torch.uint8).numpy().view(_UINT[es])
+        self._dtype = _UINT[es]
+        first = view(0).permute(perm)
+        self.shape = tuple(first.shape)
+        self._strides = tuple(st * es for st in first.stride())
+        self._base = first.storage_offset() - buffer.storage_offset()
+        self._step = view(page_size).storage_offset() - view(0).storage_offset() if pages > 1 else 0
+        self._extent = 1 + sum((n - 1) * st for n, st in zip(first.shape, first.stride(), strict=True))
+        self._page_size = page_size
+        self._pages = pages
+
+    def page(self, start: int) -> np.ndarray | None:
+        """The page at host slot ``start`` as a strided numpy view, or None (not a page start)."""
+        index, rest = divmod(start, self._page_size)
+        if rest or not 0 <= index < self._pages:
+            return None
+        off = self._base + index * self._step
+        if off < 0 or off + self._extent > self._flat.size:
+            return None
+        return np.lib.stride_tricks.as_strided(self._flat[off:], shape=self.shape, strides=self._strides)
+
+    def row(self, row: Any) -> np.ndarray:
+        """``row`` (a uint8 tensor or array of a page's bytes) in the page's canonical shape."""
+        arr = row if isinstance(row, np.ndarray) else row.numpy()
+        return arr.view(self._dtype).reshape(self.shape)
+
+
 class CanonicalCodec(PageCodec):
     """KV pages stored in one element order: a strided view of each page, permuted to it."""
 
-    def __init__(self, view: View, perm: tuple[int, ...], page_size: int, describe: str) -> None:
+    def __init__(self, view: View, perm: tuple[int, ...], page_size: int, describe: str,
+                 buffer: torch.Tensor | None = None, pages: int = 1) -> None:
         self._view = view
         self._perm = perm
         sample = view(0)
@@ -69,19 +115,36 @@ class CanonicalCodec(PageCodec):
         self.page_size = page_size
         self.block_bytes = sample.numel() * sample.element_size()
         self.describe = describe
+        self._fast: _StridedPages | None = None
+        if buffer is not None:
+            try:
+                self._fast = _StridedPages(buffer, view, perm, page_size, pages)
+            except (ValueError, RuntimeError, TypeError):
+                self._fast = None
 
     def _canon(self, row: torch.Tensor) -> torch.Tensor:
         return row.view(self._dtype).view(self._canon_shape)
 
     def gather(self, starts: Sequence[int], rows: Rows) -> None:
         """See :meth:`PageCodec.gather`."""
+        fast = self._fast
         for i, s in enumerate(starts):
-            self._canon(rows[i]).copy_(self._view(s).permute(self._perm))
+            page = fast.page(s) if fast is not None else None
+            if page is not None:
+                np.copyto(fast.row(rows[i]), page)  # type: ignore[union-attr]
+            else:
+                self._canon(rows[i]).copy_(self._view(s).permute(self._perm))
 
     def scatter(self, starts: Sequence[int], rows: Rows, positions: Sequence[int]) -> None:
         """See :meth:`PageCodec.scatter`."""
+        fast = self._fast
+        arr = rows.numpy() if fast is not None and isinstance(rows, torch.Tensor) else rows
         for i in positions:
-            self._view(starts[i]).permute(self._perm).copy_(self._canon(rows[i]))
+            page = fast.page(starts[i]) if fast is not None else None
+            if page is not None:
+                np.copyto(page, fast.row(arr[i]))  # type: ignore[union-attr]
+            else:
+                self._view(starts[i]).permute(self._perm).copy_(self._canon(rows[i]))
 
     def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
         """See :meth:`PageCodec.from_flat`."""
@@ -147,7 +210,8 @@ def _mha(pool: Any) -> CanonicalCodec | None:
     want = (2, ps, int(pool.layer_num), int(pool.head_num), int(pool.head_dim))
     if tuple(view(0).permute(perm).shape) != want:
         return None
-    return CanonicalCodec(view, perm, ps, f"mha:{kv.dtype}:kv,token,layer,head,dim={want}")
+    return CanonicalCodec(view, perm, ps, f"mha:{kv.dtype}:kv,token,layer,head,dim={want}", kv,
+                          _pages(pool, ps))
 
 
 def _mla(pool: Any) -> CanonicalCodec | None:
@@ -165,7 +229,15 @@ def _mla(pool: Any) -> CanonicalCodec | None:
     shape = tuple(view(0).permute(perm).shape)
     if len(shape) != 4 or shape[0] != ps or shape[1] != int(pool.layer_num) or shape[2] != 1:
         return None
-    return CanonicalCodec(view, perm, ps, f"mla:{kv.dtype}:token,layer,1,dim={shape}")
+    return CanonicalCodec(view, perm, ps, f"mla:{kv.dtype}:token,layer,1,dim={shape}", kv, _pages(pool, ps))
+
+
+def _pages(pool: Any, page_size: int) -> int:
+    """Whole pages of a host pool (its ``size`` in slots)."""
+    try:
+        return int(pool.size) // page_size
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 def codec_for(pool: Any) -> PageCodec:
