@@ -136,6 +136,29 @@ def test_release_drops_every_pin_and_the_queue_place() -> None:
     assert pools[FULL].available() == 8
 
 
+def test_release_in_two_groups_keeps_other_requests_pins_and_refreshes_recency() -> None:
+    adm, pools, _ = setup(full=4, rec=2)
+    a, b = adm.request("a"), adm.request("b")
+    assert a is not None and b is not None
+    pa = adm.admit(a, {**wants(FULL, 1, 2, 3), **wants(REC, 1)})
+    assert pa is not None
+    land(pools, pa)
+    pb = adm.admit(b, wants(FULL, 4))
+    assert pb is not None
+    land(pools, pb)
+    two = pools[FULL].slot_of(key(2))
+    assert two is not None
+    adm.pin(b, FULL, key(2), two)  # b needs block 2 too
+    assert adm.release("b") is True
+    assert pools[FULL].pins[two] == 1 and pools[FULL].available() == 1  # a's pins stay
+    assert adm.release("a") is True
+    assert sum(pools[REC].pins) == 0 and sum(pools[FULL].pins) == 0
+    assert pools[FULL].available() == 4 and pools[REC].available() == 2
+    # releases count as uses: b's block 4, then a's blocks in the order a pinned them
+    assert pools[FULL].policy.victims(4, lambda k: True) == [key(4), key(1), key(2), key(3)]
+    assert not problems(pools)
+
+
 def test_drop_frees_a_failed_promotion_and_every_pin_on_it() -> None:
     adm, pools, _ = setup()
     a, b = adm.request("a"), adm.request("b")

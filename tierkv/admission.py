@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -154,6 +154,13 @@ class Admission:
             pool.unpin(s)
             pool.touch(key)
 
+    def unpin_many(self, req: Request, group: int, keys: Sequence[bytes]) -> None:
+        """:meth:`unpin` of many keys of one group."""
+        pins = req.pins
+        held = [k for k in keys if pins.pop(k, None) is not None]
+        if held:
+            self.pools[group].unpin_keys(held)
+
     def drop(self, group: int, key: bytes) -> None:
         """Free ``key``'s slot (a failed promotion or store) and forget every pin on it."""
         for req in self.requests.values():
@@ -169,8 +176,16 @@ class Admission:
         self.queue.pop(request_id, None)
         if req is None:
             return False
-        for key in list(req.pins):
-            self.unpin(req, key)
+        pins, req.pins = req.pins, {}
+        groups = set(pins.values())
+        if len(groups) == 1:
+            by_group = {groups.pop(): list(pins)}
+        else:
+            by_group = {g: [] for g in groups}
+            for key, group in pins.items():
+                by_group[group].append(key)
+        for group, keys in by_group.items():
+            self.pools[group].unpin_keys(keys)
         return True
 
     def expired(self, lease_s: float) -> list[str]:

@@ -141,8 +141,7 @@ class EngineSlots:
         req = self._admission.requests.get(request_id)
         if req is not None:
             req.last_seen = self._admission.clock()
-            for k in keys:
-                self._admission.unpin(req, k)
+            self._admission.unpin_many(req, group, keys)
         if self._admission.queue:
             self._changed()
 

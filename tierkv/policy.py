@@ -7,7 +7,7 @@ a predicate, and pinned or in-flight slots are simply never offered.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tierkv.errors import ConfigError
@@ -23,6 +23,9 @@ class EvictionPolicy(Protocol):
 
     def touch(self, key: bytes) -> None:
         """Record a use of a resident key."""
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` of each key, in order."""
 
     def remove(self, key: bytes, evicted: bool = True) -> None:
         """Forget a key that left the pool: evicted, or freed on purpose (``evicted=False``)."""
@@ -51,6 +54,13 @@ class LRUPolicy:
         """Move a resident key to the most recently used end."""
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` of each key, in order."""
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
 
     def remove(self, key: bytes, evicted: bool = True) -> None:
         """Forget a key."""
@@ -109,6 +119,11 @@ class ARCPolicy:
         else:
             self._t1[key] = None
         self._trim_ghosts()
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` of each key, in order."""
+        for key in keys:
+            self.touch(key)
 
     def touch(self, key: bytes) -> None:
         """A hit: the key moves to the frequent list."""

@@ -373,9 +373,30 @@ class SlotPool:
             if self.pins[s] == 0 and self.state[s] is SlotState.READY:
                 self._evictable += 1
 
+    def unpin_keys(self, keys: Sequence[bytes]) -> None:
+        """:meth:`unpin` of the slots holding ``keys`` (those still resident), each then touched."""
+        index, pins, state, ready = self.index, self.pins, self.state, SlotState.READY
+        freed = 0
+        held = []
+        for k in keys:
+            s = index.get(k)
+            if s is None:
+                continue
+            held.append(k)
+            if pins[s] > 0:
+                pins[s] -= 1
+                if pins[s] == 0 and state[s] is ready:
+                    freed += 1
+        self._evictable += freed
+        self.policy.touch_many(held)
+
     def touch(self, key: bytes) -> None:
         """Record a use of ``key`` for the eviction policy."""
         self.policy.touch(key)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` of each of ``keys``, in order."""
+        self.policy.touch_many(keys)
 
     # ---- data ----------------------------------------------------------------------------------
     def _check_rows(self, t: torch.Tensor, n: int, what: str) -> None:

@@ -48,11 +48,10 @@ class Reader:
         landing = self._promoter.promoting.get(key)
         return landing.event if landing is not None else self._engine.storing(key)
 
-    def _done(self, req: Request | None, keys: list[bytes]) -> None:
+    def _done(self, req: Request | None, group: int, keys: list[bytes]) -> None:
         if req is not None:
             with self._lock:
-                for k in keys:
-                    self._admission.unpin(req, k)
+                self._admission.unpin_many(req, group, keys)
                 self._changed()
 
     async def get(self, group: int, pool: SlotPool, keys: list[bytes], out8: torch.Tensor,
@@ -68,7 +67,7 @@ class Reader:
             if waits:
                 await next(iter(waits.values())).wait()
             todo = list(waits)
-        self._done(req, keys)
+        self._done(req, group, keys)
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
                                f" by no tier", missing=sorted(missing))
@@ -168,15 +167,14 @@ class Reader:
             else:
                 rows = pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.int64, device=pool.device))
             with self._lock:
-                for k in keys:
-                    pool.touch(k)
+                pool.touch_many(keys)
                 self._stats.hits += len(keys)
                 self._stats.bytes_read += len(keys) * pool.block_bytes
             yield rows
         finally:
             with self._lock:
                 self._admission.end_call(lender)
-            self._done(req, keys)
+            self._done(req, group, keys)
 
     def _lendable(self, pool: SlotPool, keys: list[bytes]) -> tuple[list[int], list[anyio.Event | None],
                                                                    list[int]]:

@@ -135,8 +135,7 @@ class PoolTier(Tier):
         """Write blocks into slots, evicting as needed; keys without a slot are not stored."""
         pool = self.pools[group]
         todo = [i for i, k in enumerate(keys) if pool.slot_of(k) is None]
-        for k in keys:
-            pool.touch(k)
+        pool.touch_many(keys)
         while todo:
             got = pool.allocate([keys[i] for i in todo[: max(1, pool.available())]])
             if got is None:
