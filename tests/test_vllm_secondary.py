@@ -7,6 +7,7 @@ region, our tier created by vLLM's SecondaryTierFactory from a ``secondary_tiers
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import uuid
@@ -510,6 +511,22 @@ def test_any_fsspec_url(make: Callable[..., Setup]) -> None:
     assert all(r is HIT for r in final.values())
     for k in keys:
         np.testing.assert_array_equal(got[k], data[k])
+
+
+def test_the_tier_lowers_the_gil_switch_interval_in_the_schedulers_process(
+        make: Callable[..., Setup]) -> None:
+    """vLLM's step loop spins while loads are in flight: the tier caps the switch interval (default
+    0.5 ms) so its I/O threads get the GIL; ``gil_switch_interval_s: None`` leaves it alone."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        make()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.005)
+        make(gil_switch_interval_s=None)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_kv_events_for_stored_keys(make: Callable[..., Setup]) -> None:

@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
@@ -32,7 +33,7 @@ import anyio.from_thread
 
 from tierkv.errors import StoreClosed
 
-__all__ = ["LoopBridge", "LoopThread", "locked"]
+__all__ = ["LoopBridge", "LoopThread", "cap_switch_interval", "locked"]
 
 log = logging.getLogger("tierkv")
 
@@ -242,3 +243,13 @@ class LoopThread:
                 self._cm.__exit__(None, None, None)
             except Exception:
                 log.debug("stopping the loop thread failed", exc_info=True)
+
+
+def cap_switch_interval(limit_s: float | None) -> None:
+    """Lower the interpreter's GIL switch interval to at most ``limit_s`` (None: leave it).
+
+    An engine's step loop that spins while tierkv's threads read holds the GIL for the whole
+    interval (5 ms by default) every time one of them asks for it.
+    """
+    if limit_s is not None and sys.getswitchinterval() > limit_s:
+        sys.setswitchinterval(limit_s)

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, ValidationError, field_validator
+from pydantic import ConfigDict, PositiveFloat, ValidationError, field_validator
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -98,7 +98,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
-from tierkv.bridge import LoopThread
+from tierkv.bridge import LoopThread, cap_switch_interval
 from tierkv.errors import ConfigError, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES
@@ -134,6 +134,8 @@ class TierKVSecondaryTierConfig(FsspecTierConfig):
     - ``locality``: ``"LOCAL"`` or ``"REMOTE"`` (vLLM's ``kv_load_tiers`` filter uses it).
     - ``enable_kv_events``: emit a ``BlockStored``-style ``OffloadingEvent`` for every key written
       (only when vLLM's KV cache events are enabled globally). Evictions are not reported.
+    - ``gil_switch_interval_s``: at most this GIL switch interval in the scheduler's process, as in
+      the connector's settings (unset: leave it as it is).
 
     ``read_concurrency`` bounds concurrent load jobs and ``max_inflight_ops`` concurrent store jobs;
     ``kind`` can only be ``"fsspec"``.
@@ -144,6 +146,9 @@ class TierKVSecondaryTierConfig(FsspecTierConfig):
     namespace: str = ""
     locality: Literal["LOCAL", "REMOTE"] | None = None
     enable_kv_events: bool = False
+    #: vLLM's step loop spins while loads are in flight; with Python's default 5 ms switch interval
+    #: every hand-over of the GIL to the tier's I/O threads waits that long
+    gil_switch_interval_s: PositiveFloat | None = 0.0005
 
     @field_validator("kind")
     @classmethod
@@ -231,6 +236,7 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                  backpressure_detector: Any = None, **cfg: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings = _parse_config(cfg, tier_type)
+        cap_switch_interval(self.settings.gil_switch_interval_s)
         self.locality = Locality(self.settings.locality) if self.settings.locality else None
         block = self.block_size_bytes
         view = memoryview(primary_kv_view)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import sys
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from tierkv.adapters.vllm.config import AdapterConfig
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
+from tierkv.bridge import cap_switch_interval
 from tierkv.errors import ConfigError
 from tierkv.layout import Layout
 from tierkv.metrics import all_metrics
@@ -124,8 +124,7 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             layout = Layout.model_validate(manifest["layout"])
             slots = {int(g): int(n) for g, n in manifest["slots"].items()}
         s = self.settings
-        if s.gil_switch_interval_s is not None and sys.getswitchinterval() > s.gil_switch_interval_s:
-            sys.setswitchinterval(s.gil_switch_interval_s)
+        cap_switch_interval(s.gil_switch_interval_s)
         store_config = {
             "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
             "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
