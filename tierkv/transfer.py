@@ -4,7 +4,8 @@
 cache tensors (on a GPU, or on the CPU) and tierkv's CPU pool, and depends on torch only:
 
 - a *store* (device to host) gathers rows of device tensors into pool rows; a *load* (host to
-  device) scatters pool rows into device tensor rows. Each copy is one batched gather or scatter.
+  device) scatters pool rows into device tensor rows. On CUDA each copy is one batched gather or
+  scatter; on the CPU, one memcpy per row.
 - On CUDA, copies run on a stream of their own, through pinned staging buffers. Before each job
   the stream waits for the compute stream (a store must not read KV the model is still writing; a
   load must not race writes still queued for its blocks). Jobs run in submission order; events
