@@ -57,6 +57,23 @@ def test_usage_errors_exit_2_in_one_line(args: list[str]) -> None:
     assert res.stderr.strip(), "the error says something"
 
 
+@pytest.mark.parametrize("url", ["nosuch://x", "/proc/nope"])
+def test_bench_tier_on_an_unusable_url_is_one_line(url: str) -> None:
+    """Nothing was written, so nothing to clean up: no second line about the cleanup."""
+    res = tierkv("bench", "tier", url, "--no-cold", "--blocks", "4", "--block-kib", "64")
+    assert res.returncode == 2, res
+    no_traceback(res)
+    assert res.stderr.startswith("tierkv: error:") and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_bench_tier_leaves_the_directory_as_it_found_it(tmp_path: Path) -> None:
+    (tmp_path / "mine").write_text("a file of the user's")
+    res = tierkv("bench", "tier", str(tmp_path), "--no-cold", "--blocks", "8", "--block-kib", "64",
+                 "--json")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["mine"]
+
+
 def test_the_bad_value_is_named() -> None:
     res = tierkv("inspect", "/tmp", "--concurrency", "-1")
     assert "--concurrency" in res.stderr and "store" not in res.stderr.lower()

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+
+if TYPE_CHECKING:
+    from tierkv.layout import Layout
 
 from tierkv.cli.common import (
     Formatter,
@@ -88,8 +92,7 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
     import torch
 
     from tierkv import GroupSpec, Layout, Lookup, TieredStore
-    from tierkv.backends.base import TierContext
-    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+    from tierkv.backends.fsspec import FsspecTierConfig
 
     block = args.block_kib << 10
     n = args.blocks
@@ -111,9 +114,11 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
     out = torch.zeros_like(data)
     res: dict[str, Any] = {"url": FsspecTierConfig(url=args.url).model_dump()["url"], "block_bytes": block,
                            "blocks": n, "codec": args.codec}
+    opened = False  # nothing to clean up when the tier never opened
     try:
         t0 = time.perf_counter()
         async with TieredStore(cfg) as store:
+            opened = True
             for i in range(0, n, args.batch):
                 await store.put(0, hashes[i:i + args.batch], data[i:i + args.batch])
                 advance(len(hashes[i:i + args.batch]))
@@ -138,8 +143,7 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
         if not torch.equal(out, data):
             raise RuntimeError("the blocks read back differ from those written")
         res["read_cold_mb_s"] = None
-        local = "://" not in args.url or args.url.startswith(("file://", "local://"))
-        if not args.no_cold and local:
+        if not args.no_cold and _is_local(args.url):
             if _drop_caches():
                 res["read_cold_mb_s"] = n * block / await restore(hashes, out) / 1e6
             else:
@@ -147,15 +151,8 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
         advance(n)
     finally:
         with anyio.CancelScope(shield=True):
-            ctx = TierContext(layout=layout, namespace=namespace, fingerprint=layout.fingerprint(namespace))
-            cleanup = FsspecTier(FsspecTierConfig(**{k: v for k, v in tier.items() if k != "kind"}), ctx)
-            try:
-                await cleanup.open()
-                await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
-                await cleanup.driver.delete_many([f"{cleanup.ns_root}/layout.json"])
-                await cleanup.close()
-            except Exception as exc:
-                warn(f"could not remove the benchmark's records ({str(exc)[:200]})")
+            if opened:
+                await _remove_records(tier, layout, namespace, hashes)
     bpt = block / args.tokens_per_block
     read = res["read_cold_mb_s"] or res["read_warm_mb_s"]
     res["recompute_tokens_per_s"] = args.recompute_tokens_per_s
@@ -201,3 +198,27 @@ def _bench_serving(args: argparse.Namespace) -> int:
     rc: int = serving.main(rest)
     return rc
 
+
+async def _remove_records(tier: dict[str, Any], layout: Layout, namespace: str, hashes: list[bytes]) -> None:
+    """Delete what ``bench tier`` wrote (its records and its namespace's layout file); a warning,
+    not an error, when that fails."""
+    from tierkv.backends.base import TierContext
+    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+
+    ctx = TierContext(layout=layout, namespace=namespace, fingerprint=layout.fingerprint(namespace))
+    cleanup = FsspecTier(FsspecTierConfig(**{k: v for k, v in tier.items() if k != "kind"}), ctx)
+    try:
+        await cleanup.open()
+        await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
+        await cleanup.driver.delete_many([f"{cleanup.ns_root}/layout.json"])
+        await cleanup.close()
+        if _is_local(str(tier["url"])):  # and the directory fan-out the records left, now empty
+            for dirpath, _, _ in os.walk(cleanup.ns_root, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+    except Exception as exc:
+        warn(f"could not remove the benchmark's records ({str(exc)[:200]})")
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith(("file://", "local://"))
