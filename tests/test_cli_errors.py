@@ -190,6 +190,58 @@ def test_ctrl_c_while_the_commands_are_still_importing_exits_130_without_a_trace
     assert "Traceback" not in proc.stderr and "interrupted" in proc.stderr
 
 
+def test_ctrl_c_during_a_commands_own_imports_exits_even_if_the_import_swallows_it() -> None:
+    """A command imports its heavy modules when it runs (torch's among them); a KeyboardInterrupt
+    raised inside such an import can be swallowed by it (seen: the demo went on serving after
+    Ctrl-C). Until the command starts its work, Ctrl-C exits at once instead."""
+    code = ("import importlib.abc, os, signal, sys, time\n"
+            "class Swallow(importlib.abc.MetaPathFinder):\n"
+            "    fired = False\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'tierkv.demo' and not Swallow.fired:\n"
+            "            Swallow.fired = True\n"
+            "            try:\n"
+            "                os.kill(os.getpid(), signal.SIGINT)\n"
+            "                time.sleep(0.5)\n"
+            "            except KeyboardInterrupt:\n"
+            "                pass\n"
+            "        return None\n"
+            "from tierkv.cli import main\n"
+            "sys.meta_path.insert(0, Swallow())\n"
+            "sys.exit(main(['demo', '--requests', '100000']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip() == "tierkv: error: interrupted"
+
+
+def test_ctrl_c_ends_a_command_even_when_its_cancellation_is_swallowed() -> None:
+    """asyncio turns the first Ctrl-C into a cancellation of the command's task; code that swallows
+    it (a library's cleanup) must not leave the command running: it exits 130 a grace period later."""
+    code = ("import anyio, sys\n"
+            "from tierkv.cli import common\n"
+            "common.INTERRUPT_GRACE_S = 1.0\n"
+            "async def stubborn():\n"
+            "    print('ready', flush=True)\n"
+            "    while True:\n"
+            "        try:\n"
+            "            await anyio.sleep(0.05)\n"
+            "        except BaseException:\n"
+            "            pass\n"
+            "common.run_async(stubborn)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - t0 < 10
+    assert "Traceback" not in err and err.strip() == "tierkv: error: interrupted"
+
+
 def test_every_option_has_help_and_shows_its_default() -> None:
     parser = build_parser()
 

@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 
 def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
@@ -21,12 +22,17 @@ def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
     os._exit(130)
 
 
+def _catch_interrupts() -> Any:
+    """Make Ctrl-C exit at once (one line, 130); the handler it replaces, or None off the main thread."""
+    try:
+        return signal.signal(signal.SIGINT, _interrupted_while_starting)
+    except ValueError:  # not the main thread
+        return None
+
+
 # Ctrl-C while the commands' modules (torch among them) are still being imported: the same one
 # line and exit status as later, never a traceback out of an import
-try:
-    _previous = signal.signal(signal.SIGINT, _interrupted_while_starting)
-except ValueError:  # imported outside the main thread
-    _previous = None
+_previous = _catch_interrupts()
 try:
     from tierkv.cli import bench_cmds, run_cmds, tier_cmds
     from tierkv.cli.common import Formatter, error
@@ -62,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tierkv`` console script."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    # until a command starts its work (run_async), Ctrl-C exits at once: a KeyboardInterrupt in the
+    # middle of its lazy imports (torch's among them) could be swallowed by the module being imported
+    previous = _catch_interrupts()
     try:
         if argv[:2] == ["bench", "serving"]:  # its own parser takes every option, --help included
             argv = [*argv[:2], "--", *argv[2:]]
@@ -90,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         error(f"unexpected {type(exc).__name__}: {str(exc)[:300]} (set TIERKV_DEBUG=1 for details; "
               "please report it)")
         return EXIT_INTERNAL
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

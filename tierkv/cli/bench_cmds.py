@@ -19,11 +19,13 @@ from tierkv.cli.common import (
     Formatter,
     console,
     error,
+    interrupts_raise,
     kv_pairs,
     positive_float,
     positive_int,
     print_table,
     progress,
+    run_async,
     warn,
 )
 
@@ -164,7 +166,7 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
 def _bench_tier(args: argparse.Namespace) -> int:
     with progress() as bar:
         task = bar.add_task("writing and reading blocks", total=3 * args.blocks)
-        res = anyio.run(lambda: _measure(args, lambda k: bar.advance(task, k)))
+        res = run_async(lambda: _measure(args, lambda k: bar.advance(task, k)))
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -195,6 +197,7 @@ def _bench_serving(args: argparse.Namespace) -> int:
         error(f"the serving benchmark cannot load: {exc}")
         return 2
     rest = [a for a in args.rest if a != "--"]
+    interrupts_raise()  # the benchmark stops its engine processes on KeyboardInterrupt
     rc: int = serving.main(rest)
     return rc
 

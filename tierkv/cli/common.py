@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from types import FrameType
+from typing import Any, TypeVar
 
 __all__ = ["Formatter", "console", "error", "kv_pairs", "nonneg_float", "positive_float", "positive_int",
-           "print_table", "progress", "warn"]
+           "print_table", "progress", "run_async", "warn", "interrupts_raise"]
+
+T = TypeVar("T")
+
+#: after the first Ctrl-C, a command that has not ended this much later exits 130 regardless
+INTERRUPT_GRACE_S = 10.0
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -112,3 +121,57 @@ def progress() -> Any:
     from rich.progress import Progress
 
     return Progress(console=console(stderr=True), transient=True, disable=not sys.stderr.isatty())
+
+
+def run_async(fn: Callable[[], Awaitable[T]]) -> T:
+    """``anyio.run(fn)``, with Ctrl-C certain to end the command.
+
+    On the first Ctrl-C asyncio cancels the command's task, so stores close and temporary files go;
+    a cancellation lost on the way (swallowed by some library's cleanup) would leave the command
+    running, so if it has not ended :data:`INTERRUPT_GRACE_S` later it prints the same one line and
+    exits 130 there and then. A second Ctrl-C ends it at once, as asyncio does.
+    """
+    import anyio
+
+    async def main() -> T:
+        _guard_interrupts()
+        return await fn()
+
+    interrupts_raise()  # so that asyncio installs its own handler (the command's may be in place)
+    try:
+        return anyio.run(main)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def interrupts_raise() -> None:
+    """From here on Ctrl-C raises ``KeyboardInterrupt`` (Python's default), for code that cleans up
+    on it; until then the ``tierkv`` command exits at once (see :func:`tierkv.cli.main`)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _guard_interrupts() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    inner = signal.getsignal(signal.SIGINT)  # asyncio's: cancels the main task, then raises
+    armed: list[threading.Timer] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not armed:
+            timer = threading.Timer(INTERRUPT_GRACE_S, _exit_interrupted)
+            timer.daemon = True
+            timer.start()
+            armed.append(timer)
+        if callable(inner):
+            inner(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def _exit_interrupted() -> None:
+    os.write(2, b"tierkv: error: interrupted\n")
+    os._exit(130)

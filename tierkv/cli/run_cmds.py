@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from typing import Any, Literal
 
-import anyio
-
-from tierkv.cli.common import Formatter, console, error, kv_pairs, positive_int, print_table, progress
+from tierkv.cli.common import (
+    Formatter,
+    console,
+    error,
+    kv_pairs,
+    positive_int,
+    print_table,
+    progress,
+    run_async,
+)
 
 __all__ = ["add_demo", "add_simulate"]
 
@@ -39,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     out = console()
     with progress() as bar:
         task = bar.add_task("serving requests", total=args.requests)
-        res = anyio.run(lambda: run_demo(requests=args.requests, documents=args.documents, seed=args.seed,
+        res = run_async(lambda: run_demo(requests=args.requests, documents=args.documents, seed=args.seed,
                                          lower_url=args.lower, progress=lambda n: bar.advance(task, n)))
     if args.json:
         print(json.dumps({"requests": res.requests, "restored_blocks": res.restored_blocks,
@@ -143,7 +151,7 @@ def _simulate(args: argparse.Namespace) -> int:
                       block_bytes=args.block_bytes, url=args.url,
                       storage_options=kv_pairs(args.storage_option),
                       admission=policy, max_steps=args.max_steps, writer_subprocess=not args.same_process)
-        results[policy] = anyio.run(run_scenario, sc)
+        results[policy] = run_async(functools.partial(run_scenario, sc))
     if args.json:
         print(json.dumps({p: r.to_json() for p, r in results.items()}, indent=1))
     else:

@@ -6,8 +6,6 @@ import argparse
 import json
 from typing import Any
 
-import anyio
-
 from tierkv.cli.common import (
     Formatter,
     console,
@@ -16,6 +14,7 @@ from tierkv.cli.common import (
     positive_int,
     print_table,
     progress,
+    run_async,
     warn,
 )
 
@@ -62,7 +61,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     with progress() as bar:
         task = bar.add_task("reading record headers", total=None)
-        report = anyio.run(lambda: inspect_tier(args.url, kv_pairs(args.storage_option),
+        report = run_async(lambda: inspect_tier(args.url, kv_pairs(args.storage_option),
                                                 concurrency=args.concurrency,
                                                 progress=lambda n: bar.advance(task, n)))
     rc = EXIT_CLEAN if report.namespaces else EXIT_NOTHING
@@ -117,7 +116,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     with progress() as bar:
         task = bar.add_task("verifying records", total=None)
-        report = anyio.run(lambda: verify_tier(
+        report = run_async(lambda: verify_tier(
             args.url, kv_pairs(args.storage_option), repair=args.repair, stale_temp_s=args.stale_temp_s,
             max_block_bytes=args.max_block_bytes, concurrency=args.concurrency,
             progress=lambda n: bar.advance(task, n), on_total=lambda n: bar.update(task, total=n)))
