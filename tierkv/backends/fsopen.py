@@ -15,7 +15,7 @@ from tierkv.backends.redact import redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound
 
-__all__ = ["S3_FAIL_FAST", "default_io_threads", "open_driver", "url_problem"]
+__all__ = ["S3_FAIL_FAST", "default_io_threads", "is_local_url", "open_driver", "url_problem"]
 
 #: the extra to install for a protocol fsspec cannot load
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
@@ -48,6 +48,11 @@ def _split_userinfo(url: str, protocol: str,
             opts.setdefault("secret", unquote(parts.password))
     netloc = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
+
+
+def is_local_url(url: str) -> bool:
+    """Whether ``url`` names this machine's file system (a plain path, ``file://``, ``local://``)."""
+    return (urlsplit(url).scheme or "file") in ("file", "local")
 
 
 def default_io_threads(*, local: bool) -> int:

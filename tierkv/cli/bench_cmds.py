@@ -94,6 +94,7 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
     import torch
 
     from tierkv import GroupSpec, Layout, Lookup, TieredStore
+    from tierkv.backends.fsopen import is_local_url
     from tierkv.backends.fsspec import FsspecTierConfig
 
     block = args.block_kib << 10
@@ -145,7 +146,7 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
         if not torch.equal(out, data):
             raise RuntimeError("the blocks read back differ from those written")
         res["read_cold_mb_s"] = None
-        if not args.no_cold and _is_local(args.url):
+        if not args.no_cold and is_local_url(args.url):
             if _drop_caches():
                 res["read_cold_mb_s"] = n * block / await restore(hashes, out) / 1e6
             else:
@@ -206,6 +207,7 @@ async def _remove_records(tier: dict[str, Any], layout: Layout, namespace: str, 
     """Delete what ``bench tier`` wrote (its records and its namespace's layout file); a warning,
     not an error, when that fails."""
     from tierkv.backends.base import TierContext
+    from tierkv.backends.fsopen import is_local_url
     from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 
     ctx = TierContext(layout=layout, namespace=namespace, fingerprint=layout.fingerprint(namespace))
@@ -215,13 +217,9 @@ async def _remove_records(tier: dict[str, Any], layout: Layout, namespace: str, 
         await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
         await cleanup.driver.delete_many([f"{cleanup.ns_root}/layout.json"])
         await cleanup.close()
-        if _is_local(str(tier["url"])):  # and the directory fan-out the records left, now empty
+        if is_local_url(str(tier["url"])):  # and the directory fan-out the records left, now empty
             for dirpath, _, _ in os.walk(cleanup.ns_root, topdown=False):
                 with contextlib.suppress(OSError):
                     os.rmdir(dirpath)
     except Exception as exc:
         warn(f"could not remove the benchmark's records ({str(exc)[:200]})")
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith(("file://", "local://"))

@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from tierkv.backends.fsopen import is_local_url
 from tierkv.bridge import LoopThread
 from tierkv.engine import EngineSlots
 from tierkv.keys import GROUP_BYTES
@@ -100,7 +101,7 @@ class CounterDeltas:
 def _is_local(tier: dict[str, Any]) -> bool:
     """Whether a lower tier's storage is this machine's (a path or file:// URL), else remote."""
     url = str(tier.get("url") or tier.get("inner", {}).get("url") or "")
-    return tier.get("kind") in ("memory", "cpu") or "://" not in url or url.startswith(("file://", "local://"))
+    return tier.get("kind") in ("memory", "cpu") or is_local_url(url)
 
 
 class RateMeter:
