@@ -172,7 +172,7 @@ class Driver:
             out: list[bytes | None] = []
             for i in range(len(paths)):
                 parts = job(i)  # pieces may view per-thread scratch: join them at once
-                out.append(None if parts is None else b"".join(bytes(memoryview(p)) for p in parts))
+                out.append(None if parts is None else b"".join(parts))
             return out
 
         blobs = encode_all() if nbytes <= INLINE_BYTES else await self.compute(encode_all)
