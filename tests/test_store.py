@@ -283,6 +283,28 @@ async def test_failing_lower_tier_is_counted_and_primary_still_serves() -> None:
         assert torch.equal(out, data)
 
 
+async def test_lend_slots_pins_ready_blocks_without_the_loop_and_takes_nothing_otherwise() -> None:
+    async with TieredStore(config(LAYOUT, slots=ALL)) as store:
+        data = blocks(3, bb(FULL), seed=9)
+        await store.put(FULL, hashes(3), data)
+        pool = store.tiers[0].pools[FULL].tensor  # type: ignore[attr-defined]
+        hits = store.stats().tiers[0].hits
+
+        def lend(hs: list[bytes]) -> tuple[list[int] | None, int, list[torch.Tensor]]:
+            with store.lend_slots(FULL, hs) as slots:  # from a thread: it never touches the loop
+                rows = [pool[s].clone() for s in slots] if slots is not None else []
+                return slots, group_stats(store, FULL).pinned, rows
+
+        slots, pinned, rows = await anyio.to_thread.run_sync(lend, hashes(3))
+        assert slots is not None and pinned == 3
+        assert torch.equal(torch.stack(rows), data)
+        assert group_stats(store, FULL).pinned == 0
+        assert store.stats().tiers[0].hits == hits + 3
+        slots, pinned, _ = lend(hashes(4))  # one block absent: None, nothing pinned or counted
+        assert slots is None and pinned == 0
+        assert store.stats().tiers[0].hits == hits + 3
+
+
 async def test_a_failed_store_is_never_visible() -> None:
     bad = {"kind": "faulty", "inner": {"kind": "memory"}, "fail_every": 1, "ops": ["put"]}
     async with TieredStore(config(LAYOUT, bad, slots={FULL: 2, SW: 2, REC: 2})) as store:

@@ -176,6 +176,28 @@ class Reader:
                 self._admission.end_call(lender)
             self._done(req, group, keys)
 
+    def lend_ready(self, group: int, pool: SlotPool, keys: list[bytes]) -> tuple[Request, list[int]] | None:
+        """See :meth:`tierkv.TieredStore.lend_slots`: pins and slots, or None (nothing pinned)."""
+        with self._lock:
+            index, state, ready = pool.index, pool.state, SlotState.READY
+            slots: list[int] = []
+            for k in keys:
+                s = index.get(k)
+                if s is None or state[s] is not ready:
+                    return None
+                slots.append(s)
+            lender = self._admission.anonymous()
+            self._admission.pin_many(lender, group, keys, slots)
+            pool.touch_many(keys)
+            self._stats.hits += len(keys)
+            self._stats.bytes_read += len(keys) * pool.block_bytes
+        return lender, slots
+
+    def end_lend(self, lender: Request) -> None:
+        """Drop the pins :meth:`lend_ready` took."""
+        with self._lock:
+            self._admission.end_call(lender)
+
     def _lendable(self, pool: SlotPool, keys: list[bytes]) -> tuple[list[int], list[anyio.Event | None],
                                                                    list[int]]:
         missing: list[int] = []

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -392,6 +392,29 @@ class TieredStore:
         assert self._reader is not None
         async with self._reader.borrow(group, pool, keys, req) as rows:
             yield rows
+
+    @contextlib.contextmanager
+    def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
+        """The primary's slots of blocks that are all resident and ready now, pinned until the
+        block exits; None (nothing pinned) when one is not.
+
+        ``with store.lend_slots(g, hashes) as slots:`` is :meth:`borrow` without the wait and
+        without the event loop: synchronous, from any thread, for an adapter that copies straight
+        out of the CPU pool's rows (``store.tiers[0].pools[g].tensor[slot]``) and would otherwise
+        pay a round trip to the store's loop per call. Counted as hits, like :meth:`borrow`.
+        """
+        with self._lock:
+            self._check_open()
+            pool, keys = self._keys(group, hashes)
+        assert self._reader is not None
+        lease = self._reader.lend_ready(group, pool, keys)
+        if lease is None:
+            yield None
+            return
+        try:
+            yield lease[1]
+        finally:
+            self._reader.end_lend(lease[0])
 
     # ---- state ----------------------------------------------------------------------------------
     def subscribe_tier_events(self, listener: Callable[[int, str, list[bytes]], None]) -> None:

@@ -20,14 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CanonicalCodec", "FlatCodec", "PageCodec", "Rows", "codec_for"]
+__all__ = ["CanonicalCodec", "FlatCodec", "PageCodec", "Row", "Rows", "codec_for"]
 
 _MHA = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 _MLA = "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost"
 
 View = Callable[[int], torch.Tensor]
 #: rows of block bytes: a ``[n, block_bytes]`` uint8 tensor or a list of 1-D uint8 row views
-Rows = torch.Tensor | Sequence[torch.Tensor]
+#: (tensors, or numpy arrays: views of the CPU pool made without a torch call)
+Row = torch.Tensor | np.ndarray
+Rows = torch.Tensor | Sequence[Row]
 
 
 class PageCodec(ABC):
@@ -49,11 +51,11 @@ class PageCodec(ABC):
         """Copy ``rows[i]`` into the page starting at host slot ``starts[i]``, for ``i`` in ``positions``."""
 
     @abstractmethod
-    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+    def from_flat(self, page: torch.Tensor, row: Row) -> None:
         """Copy a flat page as SGLang's ``get_data_page(flat=True)`` makes it into ``row``."""
 
     @abstractmethod
-    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+    def to_flat(self, row: Row, target: torch.Tensor) -> None:
         """Copy ``row`` into a flat page shaped like SGLang's ``get_dummy_flat_data_page()``."""
 
 
@@ -122,8 +124,8 @@ class CanonicalCodec(PageCodec):
             except (ValueError, RuntimeError, TypeError):
                 self._fast = None
 
-    def _canon(self, row: torch.Tensor) -> torch.Tensor:
-        return row.view(self._dtype).view(self._canon_shape)
+    def _canon(self, row: Row) -> torch.Tensor:
+        return _tensor(row).view(self._dtype).view(self._canon_shape)
 
     def gather(self, starts: Sequence[int], rows: Rows) -> None:
         """See :meth:`PageCodec.gather`."""
@@ -146,11 +148,11 @@ class CanonicalCodec(PageCodec):
             else:
                 self._view(starts[i]).permute(self._perm).copy_(self._canon(rows[i]))
 
-    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+    def from_flat(self, page: torch.Tensor, row: Row) -> None:
         """See :meth:`PageCodec.from_flat`."""
         self._canon(row).copy_(page.reshape(self._view_shape).permute(self._perm))
 
-    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+    def to_flat(self, row: Row, target: torch.Tensor) -> None:
         """See :meth:`PageCodec.to_flat`."""
         target.view(self._view_shape).permute(self._perm).copy_(self._canon(row))
 
@@ -171,20 +173,24 @@ class FlatCodec(PageCodec):
     def gather(self, starts: Sequence[int], rows: Rows) -> None:
         """See :meth:`PageCodec.gather`."""
         for i, s in enumerate(starts):
-            rows[i].copy_(_bytes(self._pool.get_data_page(s, flat=True)))
+            _tensor(rows[i]).copy_(_bytes(self._pool.get_data_page(s, flat=True)))
 
     def scatter(self, starts: Sequence[int], rows: Rows, positions: Sequence[int]) -> None:
         """See :meth:`PageCodec.scatter`."""
         for i in positions:
-            self._pool.set_from_flat_data_page(starts[i], rows[i].view(self._dtype))
+            self._pool.set_from_flat_data_page(starts[i], _tensor(rows[i]).view(self._dtype))
 
-    def from_flat(self, page: torch.Tensor, row: torch.Tensor) -> None:
+    def from_flat(self, page: torch.Tensor, row: Row) -> None:
         """See :meth:`PageCodec.from_flat`."""
-        row.copy_(_bytes(page))
+        _tensor(row).copy_(_bytes(page))
 
-    def to_flat(self, row: torch.Tensor, target: torch.Tensor) -> None:
+    def to_flat(self, row: Row, target: torch.Tensor) -> None:
         """See :meth:`PageCodec.to_flat`."""
-        target.view(torch.uint8).view(-1).copy_(row)
+        target.view(torch.uint8).view(-1).copy_(_tensor(row))
+
+
+def _tensor(row: Row) -> torch.Tensor:
+    return torch.from_numpy(row) if isinstance(row, np.ndarray) else row
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

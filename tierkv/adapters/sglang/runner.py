@@ -43,6 +43,7 @@ class StoreRunner:
         groups = self.store.stats().groups
         self._chunk = {g.group: max(1, min(LOOKUP_CHUNK, g.slots // 2)) for g in groups}
         self._pool_rows = _pool_tensors(self.store)
+        self._pool_np = {g: t.numpy() for g, t in self._pool_rows.items()}
         self._closed = False
 
     def put(self, group: int, hashes: Sequence[bytes], rows: torch.Tensor) -> None:
@@ -88,14 +89,22 @@ class StoreRunner:
             return ok
         return [True] * len(hashes)
 
-    def read(self, group: int, hashes: Sequence[bytes], use: Callable[[torch.Tensor, list[bool]], None],
+    def read(self, group: int, hashes: Sequence[bytes], use: Callable[[Rows, list[bool]], None],
              staging: Callable[[], torch.Tensor]) -> list[bool]:
         """Hand the blocks' rows to ``use(rows, ok)``; per block, whether it was read (and verified).
 
         When every block is in the CPU pool (or on its way there: ``batch_exists`` promotes what it
-        finds), ``rows`` are the pool's own rows, pinned while ``use`` runs; otherwise the blocks are
-        read into ``staging()`` (from the pool where they are, straight from a lower tier where not).
+        finds), ``rows`` are the pool's own rows, pinned while ``use`` runs (blocks all ready: on
+        this thread, without a round trip to the store's loop); otherwise the blocks are read
+        into ``staging()`` (from the pool where they are, straight from a lower tier where not).
         """
+        pool = self._pool_np.get(group)
+        if pool is not None:
+            with self.store.lend_slots(group, hashes) as slots:
+                if slots is not None:
+                    ok = [True] * len(hashes)
+                    use([pool[s] for s in slots], ok)
+                    return ok
         try:
             return self._loop.call(self._use_borrowed, group, hashes, use)
         except BlockMissing:
@@ -106,7 +115,7 @@ class StoreRunner:
         return ok
 
     async def _use_borrowed(self, group: int, hashes: Sequence[bytes],
-                            use: Callable[[torch.Tensor, list[bool]], None]) -> list[bool]:
+                            use: Callable[[Rows, list[bool]], None]) -> list[bool]:
         # ``use`` runs on the loop thread: one round trip instead of two, and it is a short copy
         async with self.store.borrow(group, hashes) as rows:
             ok = [True] * len(hashes)

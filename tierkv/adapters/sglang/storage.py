@@ -135,7 +135,7 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             log.error("tierkv: pool %s: %d keys need %d host slots, got %d", pool.name, len(keys),
                       len(keys) * ps, got)
             return None
-        return host_indices.reshape(-1)[::ps].tolist()  # type: ignore[no-any-return]
+        return _every(host_indices, ps)
 
     # ---- writes and reads of one pool -----------------------------------------------------------
     def _write(self, pool: PoolGroup | None, keys: Sequence[str], host_indices: Any) -> list[bool]:
@@ -343,3 +343,17 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._closed = True
         if self._runner is not None:
             self._runner.close()
+
+
+def _every(indices: Any, step: int) -> list[int]:
+    """Every ``step``-th host slot of ``indices``, as ints.
+
+    Through numpy where the tensor allows it: each torch call releases the GIL, and on a busy
+    machine winning it back from the I/O threads cost 0.8 ms per call here.
+    """
+    try:
+        arr = indices.numpy()
+    except (AttributeError, RuntimeError, TypeError):
+        return indices.reshape(-1)[::step].tolist()  # type: ignore[no-any-return]
+    return arr.reshape(-1)[::step].tolist()  # type: ignore[no-any-return]
+

@@ -73,7 +73,7 @@ class Transfers:
         for pos in self._chunks(hashes, codec.block_bytes):
             at = [starts[i] for i in pos]
 
-            def use(rows: torch.Tensor, got: list[bool], at: list[int] = at) -> None:
+            def use(rows: Rows, got: list[bool], at: list[int] = at) -> None:
                 codec.scatter(at, rows, [j for j, f in enumerate(got) if f])
 
             got = self._runner.read(pool.group, [hashes[i] for i in pos], use,
@@ -104,7 +104,7 @@ class Transfers:
         for pos in self._chunks(hashes, codec.block_bytes):
             dst = [targets[i] for i in pos]
 
-            def use(rows: torch.Tensor, got: list[bool], dst: list[torch.Tensor] = dst) -> None:
+            def use(rows: Rows, got: list[bool], dst: list[torch.Tensor] = dst) -> None:
                 for j, f in enumerate(got):
                     if f:
                         codec.to_flat(rows[j], dst[j])
