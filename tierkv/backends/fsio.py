@@ -10,7 +10,9 @@ one PUT publishes a whole object, so no temporary name).
 A tier hands each driver the same per-record jobs (:meth:`Driver.write_each`,
 :meth:`Driver.read_each`); the driver decides where they run: local jobs run whole in a worker
 thread beside their system calls (a scatter read straight into the caller's row, say), remote
-ones after (or before) the request, in a worker thread when the batch is large. A record's path
+ones after (or before) the request: for an asynchronous file system on the event loop, one
+record as its request ends (or starts), for a synchronous one in a worker thread when the batch
+is large. A record's path
 that holds anything but a regular file (a FIFO, a device, a symlink) is :class:`SpecialFile`,
 never read as a record: a reader would block in ``open`` beyond any cancel scope.
 """

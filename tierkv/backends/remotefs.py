@@ -198,7 +198,10 @@ class AsyncDriver(Driver):
                 except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
                     results[i] = exc
             if then is not None:
-                results[i] = then(i, results[i])
+                try:
+                    results[i] = then(i, results[i])
+                except Exception as exc:  # that item's error: the other requests go on
+                    results[i] = exc
 
         # ``one`` never raises: a plain gather (a quarter of a task group's cost per request)
         await asyncio.gather(*(one(i) for i in range(len(args))))

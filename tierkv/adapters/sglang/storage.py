@@ -356,4 +356,3 @@ def _every(indices: Any, step: int) -> list[int]:
     except (AttributeError, RuntimeError, TypeError):
         return indices.reshape(-1)[::step].tolist()  # type: ignore[no-any-return]
     return arr.reshape(-1)[::step].tolist()  # type: ignore[no-any-return]
-
