@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -176,27 +176,28 @@ class Reader:
                 self._admission.end_call(lender)
             self._done(req, group, keys)
 
-    def lend_ready(self, group: int, pool: SlotPool, keys: list[bytes]) -> tuple[Request, list[int]] | None:
-        """See :meth:`tierkv.TieredStore.lend_slots`: pins and slots, or None (nothing pinned)."""
+    @contextlib.contextmanager
+    def lend(self, group: int, pool: SlotPool, keys: list[bytes]) -> Iterator[list[int] | None]:
+        """See :meth:`tierkv.TieredStore.lend_slots`."""
         with self._lock:
             index, state, ready = pool.index, pool.state, SlotState.READY
-            slots: list[int] = []
-            for k in keys:
-                s = index.get(k)
-                if s is None or state[s] is not ready:
-                    return None
-                slots.append(s)
-            lender = self._admission.anonymous()
-            self._admission.pin_many(lender, group, keys, slots)
-            pool.touch_many(keys)
-            self._stats.hits += len(keys)
-            self._stats.bytes_read += len(keys) * pool.block_bytes
-        return lender, slots
-
-    def end_lend(self, lender: Request) -> None:
-        """Drop the pins :meth:`lend_ready` took."""
-        with self._lock:
-            self._admission.end_call(lender)
+            slots = [index.get(k) for k in keys]
+            if any(s is None or state[s] is not ready for s in slots):
+                lender = None
+            else:
+                lender = self._admission.anonymous()
+                self._admission.pin_many(lender, group, keys, slots)  # type: ignore[arg-type]
+                pool.touch_many(keys)
+                self._stats.hits += len(keys)
+                self._stats.bytes_read += len(keys) * pool.block_bytes
+        if lender is None:
+            yield None
+            return
+        try:
+            yield slots  # type: ignore[misc]
+        finally:
+            with self._lock:
+                self._admission.end_call(lender)
 
     def _lendable(self, pool: SlotPool, keys: list[bytes]) -> tuple[list[int], list[anyio.Event | None],
                                                                    list[int]]:

@@ -45,7 +45,8 @@ from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, T
 from tierkv.pool import SlotPool
 from tierkv.promotion import Promoter
 from tierkv.reader import Reader
-from tierkv.tensors import byte_rows, take_rows
+from tierkv.tensors import byte_rows
+from tierkv.writer import place_blocks
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
@@ -213,31 +214,8 @@ class TieredStore:
         pool, keys = self._keys(group, hashes)
         src = byte_rows(blocks, len(keys), pool.block_bytes, "blocks", pool.device)
         self._counts["puts"] += 1
-        new = []
-        for i, k in enumerate(keys):
-            if pool.slot_of(k) is None:
-                new.append(i)
-            else:
-                pool.touch(k)
-        if not new:
-            return
-        n = min(len(new), pool.available())
-        placed = new[:n]
-        if placed:
-            got = pool.allocate([keys[i] for i in placed])
-            assert got is not None
-            slots = got[0]
-            pool.write(slots, take_rows(src, placed))
-            pool.mark_ready(slots)
-            self._committed(group, [keys[i] for i in placed], slots)
-        direct = new[n:]
-        if direct:
-            assert self._cascader is not None
-            copy = take_rows(src, direct).to("cpu", copy=True)
-            if self._cascader.start(group, [keys[i] for i in direct], None, copy):
-                self._counts["put_blocks_direct"] += len(direct)
-            else:
-                self._counts["put_blocks_dropped"] += len(direct)
+        assert self._cascader is not None
+        place_blocks(pool, group, keys, src, self._cascader, self._committed, self._counts)
 
     def _committed(self, group: int, keys: list[bytes], slots: list[int]) -> None:
         """Blocks just became READY in the primary: count them and cascade them down."""
@@ -395,26 +373,15 @@ class TieredStore:
 
     @contextlib.contextmanager
     def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
-        """The primary's slots of blocks that are all resident and ready now, pinned until the
-        block exits; None (nothing pinned) when one is not.
-
-        ``with store.lend_slots(g, hashes) as slots:`` is :meth:`borrow` without the wait and
-        without the event loop: synchronous, from any thread, for an adapter that copies straight
-        out of the CPU pool's rows (``store.tiers[0].pools[g].tensor[slot]``) and would otherwise
-        pay a round trip to the store's loop per call. Counted as hits, like :meth:`borrow`.
-        """
+        """:meth:`borrow` without the wait or the event loop, from any thread: the primary's slots
+        of blocks all ready now (rows ``store.tiers[0].pools[group].tensor[slot]``), pinned until
+        the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits."""
         with self._lock:
             self._check_open()
             pool, keys = self._keys(group, hashes)
         assert self._reader is not None
-        lease = self._reader.lend_ready(group, pool, keys)
-        if lease is None:
-            yield None
-            return
-        try:
-            yield lease[1]
-        finally:
-            self._reader.end_lend(lease[0])
+        with self._reader.lend(group, pool, keys) as slots:
+            yield slots
 
     # ---- state ----------------------------------------------------------------------------------
     def subscribe_tier_events(self, listener: Callable[[int, str, list[bytes]], None]) -> None:

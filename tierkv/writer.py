@@ -1,0 +1,45 @@
+"""What ``put`` does with new blocks: free (or evictable) primary slots first, the rest straight
+to the lower tiers from a private copy, or dropped and counted when no tier takes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tierkv.cascade import Cascader
+from tierkv.pool import SlotPool
+from tierkv.tensors import take_rows
+
+__all__ = ["place_blocks"]
+
+
+def place_blocks(pool: SlotPool, group: int, keys: list[bytes], src: torch.Tensor, cascader: Cascader,
+                 committed: Callable[[int, list[bytes], list[int]], None], counts: dict[str, int]) -> None:
+    """Store rows ``src[i]`` as ``keys[i]`` (the caller holds the store's lock); blocks already held
+    are only touched. ``committed(group, keys, slots)`` is told of the blocks that became READY;
+    ``counts`` gets ``put_blocks_direct`` and ``put_blocks_dropped``."""
+    new = []
+    for i, k in enumerate(keys):
+        if pool.slot_of(k) is None:
+            new.append(i)
+        else:
+            pool.touch(k)
+    if not new:
+        return
+    n = min(len(new), pool.available())
+    placed = new[:n]
+    if placed:
+        got = pool.allocate([keys[i] for i in placed])
+        assert got is not None
+        slots = got[0]
+        pool.write(slots, take_rows(src, placed))
+        pool.mark_ready(slots)
+        committed(group, [keys[i] for i in placed], slots)
+    direct = new[n:]
+    if direct:
+        copy = take_rows(src, direct).to("cpu", copy=True)
+        if cascader.start(group, [keys[i] for i in direct], None, copy):
+            counts["put_blocks_direct"] += len(direct)
+        else:
+            counts["put_blocks_dropped"] += len(direct)
