@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 from tierkv.errors import CapacityError, ConfigError, InvalidArgument
 from tierkv.layout import GroupSpec, Layout
 from tierkv.policy import ARCPolicy, LRUPolicy, make_policy
-from tierkv.pool import SlotPool, SlotState, contiguous_run, plan_pools
+from tierkv.pool import SlotPool, SlotState, contiguous_run, plan_pools, shared_pool_tensors
 
 
 def k(i: int) -> bytes:
@@ -588,3 +590,26 @@ def test_plan_properties(layout: Layout, cap: int, mcr: int) -> None:
         assert len({s[g] - floor[g] for g in growers}) == 1
     # no whole row of the growers is left unused
     assert cap - plan.total_bytes < sum(layout.groups[g].block_bytes for g in growers)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm (Linux)")
+def test_a_shared_pool_has_its_pages_in_place_and_a_second_mapping_keeps_the_bytes() -> None:
+    """A shared pool (``shm_path``, how the vLLM adapter shares its pool with the workers) is
+    populated when it is mapped: a restore into never-touched shared pages took a page fault every
+    4 KiB (0.44 GB/s against 4.9 into mapped pages). Mapping it again (a worker) keeps its bytes."""
+    layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=64 << 10),
+                                                 GroupSpec(kind="full", block_bytes=4000)])
+    plan = plan_pools(None, layout, 1, {0: 32, 1: 8})
+    path = f"/dev/shm/tierkv-test-{os.getpid()}.pool"
+    try:
+        pools = shared_pool_tensors(path, plan)
+        size = 32 * (64 << 10) + 8 * 4096  # each group's bytes rounded up to 4 KiB
+        assert os.stat(path).st_size == size
+        assert os.stat(path).st_blocks * 512 >= size, "the pool's pages are not allocated yet"
+        pools[0][5].fill_(7)
+        pools[1][7].fill_(9)
+        again = shared_pool_tensors(path, plan)
+        assert bool((again[0][5] == 7).all()) and bool((again[1][7] == 9).all())
+        assert int(again[0].sum()) == 7 * (64 << 10) and int(again[1].sum()) == 9 * 4000
+    finally:
+        os.unlink(path)

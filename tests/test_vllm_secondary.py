@@ -516,12 +516,12 @@ def test_any_fsspec_url(make: Callable[..., Setup]) -> None:
 def test_the_tier_lowers_the_gil_switch_interval_in_the_schedulers_process(
         make: Callable[..., Setup]) -> None:
     """vLLM's step loop spins while loads are in flight: the tier caps the switch interval (default
-    0.5 ms) so its I/O threads get the GIL; ``gil_switch_interval_s: None`` leaves it alone."""
+    0.1 ms) so its I/O threads get the GIL; ``gil_switch_interval_s: None`` leaves it alone."""
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
         make()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
         sys.setswitchinterval(0.005)
         make(gil_switch_interval_s=None)
         assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import mmap
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -169,6 +170,9 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
     Every process that opens the same path with the same plan sees the same bytes; the file is
     created, or resized to what the plan needs (a stale file of another size is fixed, not fatal).
     Group ``g``'s pool starts at the sum of the earlier groups' bytes, each rounded up to 4 KiB.
+    The mapping is populated now (``MAP_POPULATE``: the file's pages allocated and mapped into
+    this process), as a private pool is zero-filled: a first restore into never-touched shared
+    pages ran at a tenth of the speed of one into mapped pages, a page fault every 4 KiB.
     """
     offsets, total = {}, 0
     for g in plan.groups:
@@ -178,9 +182,10 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
     try:
         if os.fstat(fd).st_size != total:
             os.ftruncate(fd, total)
+        mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
-    flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
     return {g.group: flat[offsets[g.group]:offsets[g.group] + g.bytes].view(g.slots, g.block_bytes)
             for g in plan.groups}
 

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import PositiveFloat
 
 from tierkv.adapters.settings import EngineSettings
+from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S
 
 __all__ = ["VLLM_OWN_KEYS", "AdapterConfig"]
 
@@ -45,4 +46,4 @@ class AdapterConfig(EngineSettings):
     #: at most this GIL switch interval in the scheduler's process (``sys.setswitchinterval``):
     #: vLLM's step loop spins while a restore is pending, and with Python's default 5 ms every
     #: hand-over of the GIL to tierkv's I/O threads waits that long (unset: leave it as it is)
-    gil_switch_interval_s: PositiveFloat | None = 0.0005
+    gil_switch_interval_s: PositiveFloat | None = ENGINE_SWITCH_INTERVAL_S

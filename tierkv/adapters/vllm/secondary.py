@@ -98,7 +98,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
-from tierkv.bridge import LoopThread, cap_switch_interval
+from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
 from tierkv.errors import ConfigError, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES
@@ -148,7 +148,7 @@ class TierKVSecondaryTierConfig(FsspecTierConfig):
     enable_kv_events: bool = False
     #: vLLM's step loop spins while loads are in flight; with Python's default 5 ms switch interval
     #: every hand-over of the GIL to the tier's I/O threads waits that long
-    gil_switch_interval_s: PositiveFloat | None = 0.0005
+    gil_switch_interval_s: PositiveFloat | None = ENGINE_SWITCH_INTERVAL_S
 
     @field_validator("kind")
     @classmethod
