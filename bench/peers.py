@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/peers.py [--quick] [--json] [--plot FILE.png] [--repeats 3] [--threads 4]
         [--sizes 256K,1M,2M] [--mb-per-size 1024] [--calls 16-64] [--inflight 8] [--step-ms 1]
-        [--window-mb 512] [--systems vllm-fs,tierkv,tierkv-zstd,lmcache-disk] [--lmcache-python PY]
+        [--window-mb 512] [--systems vllm-fs,tierkv,tierkv-zstd,tierkv-buffered,lmcache-disk]
+        [--lmcache-python PY]
         [--vllm-src DIR] [--dir DIR] [--seed 0] [--no-drop] [--no-guarantees] [--timeout S]
         [--patch-tierkv-submit]
 
@@ -25,7 +26,9 @@ Every system is driven through its own code, as its engine drives it, on the sam
   puts DIR (e.g. /work/vllm033-src, pure-Python io) first on sys.path instead.
 - ``tierkv``: tierkv's ``TierKVSecondaryTier`` (tierkv/adapters/vllm/secondary.py) under the same
   manager, the same calls, defaults for durability (checksummed records, temp file + rename, no
-  fsync); ``tierkv-zstd``: the same with ``codec: zstd-shuffle``.
+  fsync; records of 64 KiB and more written with ``O_DIRECT``); ``tierkv-zstd``: the same with
+  ``codec: zstd-shuffle``; ``tierkv-buffered``: with ``direct_io: false`` (buffered writes: new
+  records stay in the page cache, as LMCache's do).
 - ``lmcache-disk``: LMCache's ``LocalDiskBackend`` (its ``local_disk`` tier) through its
   storage-backend API, in a child process run with LMCache's own venv (bench/peers_lmcache.py):
   store = per call, ``LocalCPUBackend.allocate`` a staging object per block (waits while the
@@ -654,6 +657,15 @@ class TierkvZstdSystem(TierkvSystem):
     codec = "zstd-shuffle"
 
 
+class TierkvBufferedSystem(TierkvSystem):
+    name = "tierkv-buffered"
+    driven_by = "vLLM TieringOffloadingManager + TierKVSecondaryTier, direct_io false"
+
+    def start(self) -> None:
+        super().start()
+        self.settings["direct_io"] = False
+
+
 class LMCacheSystem(System):
     """LMCache's LocalDiskBackend, in a child process with LMCache's venv (bench/peers_lmcache.py)."""
 
@@ -755,6 +767,7 @@ SYSTEMS: dict[str, Callable[[RunConfig, argparse.Namespace], System]] = {
     "vllm-fs": lambda cfg, a: VllmFsSystem(cfg),
     TIERKV: lambda cfg, a: _patched(TierkvSystem(cfg), a),
     "tierkv-zstd": lambda cfg, a: _patched(TierkvZstdSystem(cfg), a),
+    "tierkv-buffered": lambda cfg, a: _patched(TierkvBufferedSystem(cfg), a),
     "lmcache-disk": lambda cfg, a: LMCacheSystem(cfg, a.lmcache_python),
 }
 
@@ -867,7 +880,7 @@ def fmt(x: float | None, spec: str = "8.0f") -> str:
 def print_table(results: list[dict[str, Any]], sizes: list[int], names: list[str],
                 systems: list[dict[str, Any]], guards: dict[str, dict[str, Any]], out: Any) -> None:
     by = {(r["system"], r["block_bytes"], r["direction"], r["cache"]): r for r in results}
-    hdr = (f"{'system':<14}{'block':>6}{'store':>8}{'+sync':>8}{'warm':>8}{'cold':>8}{'disk MB':>9}"
+    hdr = (f"{'system':<17}{'block':>6}{'store':>8}{'+sync':>8}{'warm':>8}{'cold':>8}{'disk MB':>9}"
            f"{'raw/disk':>9}{'x store':>9}{'x warm':>8}{'x cold':>8}")
     print("\nMB/s, median of rounds; x = tierkv MB/s / system MB/s (median of per-round ratios)", file=out)
     print(hdr, file=out)
@@ -881,24 +894,24 @@ def print_table(results: list[dict[str, Any]], sizes: list[int], names: list[str
                        by[(name, size, "load", "cold")])
             disk = s.get("disk_bytes")
             raw = disk and s.get("raw_bytes", 0) / disk
-            print(f"{name:<14}{size_label(size):>6}{fmt(s['mb_s'])}{fmt(s.get('mb_s_with_sync'))}"
+            print(f"{name:<17}{size_label(size):>6}{fmt(s['mb_s'])}{fmt(s.get('mb_s_with_sync'))}"
                   f"{fmt(w['mb_s'])}{fmt(c['mb_s'])}{fmt(disk / MB if disk else None, '9.0f')}"
                   f"{fmt(raw or None, '9.3f')}{fmt(s['ratio_vs_tierkv'], '9.2f')}"
                   f"{fmt(w['ratio_vs_tierkv'], '8.2f')}{fmt(c['ratio_vs_tierkv'], '8.2f')}", file=out)
     for s in systems:
         if s["status"] != "ok":
             extra = f"; install: {s['install']}" if s.get("install") else ""
-            print(f"{s['system']:<14}{s['status']}: {s['detail']}{extra}", file=out)
+            print(f"{s['system']:<17}{s['status']}: {s['detail']}{extra}", file=out)
     if guards:
-        hdr = f"{'system':<14}{'wrong bytes (1 flipped byte)':<32}{'capacity bound':<42}restart reuse"
+        hdr = f"{'system':<17}{'wrong bytes (1 flipped byte)':<32}{'capacity bound':<42}restart reuse"
         print("\nguarantees (1 MiB blocks)", file=out)
         print(hdr, file=out)
         print("-" * (len(hdr) + 12), file=out)
         for name, g in guards.items():
             if "error" in g:
-                print(f"{name:<14}error: {g['error']}", file=out)
+                print(f"{name:<17}error: {g['error']}", file=out)
                 continue
-            print(f"{name:<14}{g['wrong_bytes']:<32}{g['capacity']:<42}{g['restart']}", file=out)
+            print(f"{name:<17}{g['wrong_bytes']:<32}{g['capacity']:<42}{g['restart']}", file=out)
 
 
 def plot(path: str, results: list[dict[str, Any]], sizes: list[int], names: list[str]) -> str:
@@ -1018,7 +1031,7 @@ def main() -> int:
           f" cpus {os.cpu_count()}; {platform.platform()}; systems started in"
           f" {time.perf_counter() - t_start:.0f} s", file=out)
     for n, s in systems.items():
-        print(f"  {n:<14}{status[n]:<14}{s.version or detail[n]}  {s.driven_by}", file=out)
+        print(f"  {n:<17}{status[n]:<14}{s.version or detail[n]}  {s.driven_by}", file=out)
 
     guards: dict[str, dict[str, Any]] = {}
     if not args.no_guarantees:
@@ -1066,7 +1079,7 @@ def main() -> int:
                     shutil.rmtree(root, ignore_errors=True)
                 samples.setdefault((n, size), []).append(res)
                 mbs = blocks.total_bytes / MB
-                print(f"  round {rnd} {n:<14} store {mbs / res.store_s:7.0f} (+sync {res.sync_s:5.2f} s)"
+                print(f"  round {rnd} {n:<17} store {mbs / res.store_s:7.0f} (+sync {res.sync_s:5.2f} s)"
                       f" warm {mbs / res.warm_s:7.0f} cold {mbs / res.cold_s:7.0f} MB/s"
                       f"{'' if res.cold_dropped else ' (page cache NOT dropped)'}"
                       f"  disk {res.disk_bytes / MB:.0f} MB  {'; '.join(res.notes)}",

@@ -2,7 +2,7 @@
 
     python bench/restore.py [--block-kib 256,1024,2048] [--total-mib 1024] [--repeats 3]
                             [--cache warm,cold] [--url file,s3] [--s3-total-mib 256]
-                            [--io-threads N] [--json FILE]
+                            [--io-threads N] [--direct-io auto|true|false] [--json FILE]
 
 What a user's restore does: one store writes ``--total-mib`` of blocks to a ``file://`` (or
 ``s3://``) tier through ``put`` and closes; a *new* store (CPU pool big enough for all of them)
@@ -184,7 +184,10 @@ def run_file(args: argparse.Namespace, block: int, cache: str, base: Path) -> di
     spare = torch.zeros_like(data)
     record = os.path.getsize
     url = f"file://{base}/b{block}"
-    cfg = config(block, n, {"kind": "fsspec", "url": url}, args.io_threads)
+    tier: dict[str, Any] = {"kind": "fsspec", "url": url}
+    if args.direct_io != "auto":
+        tier["direct_io"] = args.direct_io == "true"
+    cfg = config(block, n, tier, args.io_threads)
     hashes = hashes_for(f"b{block}", n)
     anyio.run(write, cfg, hashes, data)
     paths = sorted(str(p) for p in (base / f"b{block}").rglob("*.tkv"))
@@ -304,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default="file", help="file, s3 or file,s3")
     p.add_argument("--s3-total-mib", type=int, default=256, help="bytes restored per S3 round")
     p.add_argument("--io-threads", type=int, default=None)
+    p.add_argument("--direct-io", choices=["auto", "true", "false"], default="auto",
+                   help="the file tier's direct_io setting (default: its default, auto)")
     p.add_argument("--dir", default=None, help="where the tier lives (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)

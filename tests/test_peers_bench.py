@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "peers.py"
-ALWAYS = ("vllm-fs", "tierkv", "tierkv-zstd")
+ALWAYS = ("vllm-fs", "tierkv", "tierkv-zstd", "tierkv-buffered")
 LMCACHE = "lmcache-disk"
 SIZES = (256 << 10, 1 << 20, 2 << 20)
 PHASES = (("store", None), ("load", "warm"), ("load", "cold"))
@@ -107,7 +107,7 @@ def test_guarantees_reported(report: dict[str, Any]) -> None:
     assert set(guards) == ran
     for g in guards.values():
         assert {"wrong_bytes_detected", "capacity_held", "restart_reuse"} <= set(g), g
-    for name in ("tierkv", "tierkv-zstd"):  # tierkv's own promises
+    for name in ("tierkv", "tierkv-zstd", "tierkv-buffered"):  # tierkv's own promises
         g = guards[name]
         assert g["wrong_bytes_detected"] is True, g
         assert g["capacity_held"] is True, g

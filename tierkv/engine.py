@@ -112,9 +112,14 @@ class EngineSlots:
             return KeyState.READY
         if req.gave_up:
             return KeyState.MISS
-        states, work = self._resolver.states(group, [key], req)
-        self._start(work)
-        state = states[0]
+        if s is not None and key in req.pins:
+            # in flight and already pinned for this request: an engine asks again every step
+            # while the restore runs, and this answer must cost next to nothing (it holds the GIL)
+            state = KeyState.PROMOTING if key in self._resolver.promoting else KeyState.STORING
+        else:
+            states, work = self._resolver.states(group, [key], req)
+            self._start(work)
+            state = states[0]
         if state.lookup is Lookup.PENDING:
             now = self._admission.clock()
             if req.pending_since is None:

@@ -215,6 +215,14 @@ class Driver:
         if errs[0] is not None:
             raise errs[0]
 
+    async def prepare(self, directory: str) -> None:
+        """Settle what depends on the file system at ``directory`` (the tier's namespace, which
+        exists): called once the tier's manifest is written."""
+
+    def counts(self) -> dict[str, int]:
+        """The driver's own counters, reported among the tier's (only those above zero)."""
+        return {}
+
     async def close(self) -> None:
         """Release connections."""
 

@@ -69,12 +69,13 @@ S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "st
 
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
                 threads: int | None, fsync: bool, depth: int = 16,
-                retry: RetryPolicy | None = None) -> tuple[Driver, str]:
+                retry: RetryPolicy | None = None, direct_io: bool | str = False) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
-    CPU work, and more threads than cores only contend); other file systems are bounded by
-    ``limiter``.
+    CPU work, and more threads than cores only contend) and ``direct_io`` (the tier's setting,
+    settled by :meth:`~tierkv.backends.localfs.LocalDriver.prepare`); other file systems are
+    bounded by ``limiter``.
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
@@ -88,7 +89,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         if not root.startswith("/"):
             root = os.path.abspath(root)
         threads = threads or default_io_threads(local=True)
-        return LocalDriver(limiter, threads, fsync, depth), root.rstrip("/") or "/"
+        return LocalDriver(limiter, threads, fsync, depth, direct_io), root.rstrip("/") or "/"
     import fsspec
 
     try:

@@ -99,6 +99,11 @@ class FsspecTierConfig(TierConfig):
     #: local paths: reads that must wait for the device (the page cache does not hold the record)
     #: run on this many threads, so enough are in flight to keep a disk or NFS server busy
     io_depth: PositiveInt = 16
+    #: local paths: write records of 64 KiB and more with ``O_DIRECT`` (past the page cache, as
+    #: vLLM's file tier does): ``"auto"`` where the file system supports it (found out at open),
+    #: True to require it, False for buffered writes (new records then stay in the page cache,
+    #: and reads of them soon after are memory copies). Reads are buffered either way.
+    direct_io: Literal["auto"] | bool = "auto"
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
@@ -230,10 +235,11 @@ class FsspecTier(Tier):
             retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
                                 timeout_s=cfg.request_timeout_s)
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
-                                                  cfg.fsync, cfg.io_depth, retry)
+                                                  cfg.fsync, cfg.io_depth, retry, cfg.direct_io)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await self._write_manifest()
+            await self._driver.prepare(self.ns_root)
         except BackendNotFound:
             await self._close_quietly()
             raise
@@ -551,7 +557,6 @@ class FsspecTier(Tier):
 
     def used_bytes(self) -> int:
         """Bytes of the records this process knows of (all of them once the scan is done)."""
-        retries = getattr(self._driver, "retries", 0)
-        if retries:
-            self.counters["retries"] = retries
+        if self._driver is not None:
+            self.counters.update(self._driver.counts())
         return self._ledger.used

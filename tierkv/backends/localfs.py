@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from tierkv.backends import directio
 from tierkv.backends.fsio import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -26,7 +27,7 @@ from tierkv.backends.fsio import (
     temp_name,
 )
 
-__all__ = ["LocalDriver", "LocalSource", "RWF_NOWAIT"]
+__all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -37,6 +38,9 @@ RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 #: together, large enough that handing chunks out costs nothing next to reading them
 CHUNK_BYTES = 8 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: with direct I/O on, records of at least this many bytes are written past the page cache;
+#: smaller ones cost more in their system calls than in their copy, and stay buffered
+DIRECT_MIN_BYTES = 64 << 10
 
 
 #: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
@@ -161,15 +165,49 @@ class LocalDriver(Driver):
     jobs run still waits for them: they write into the caller's buffers.
     """
 
-    def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16) -> None:
+    def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16,
+                 direct_io: bool | str = False) -> None:
         super().__init__(limiter)
         self.threads = threads
         self.depth = max(depth, threads)
         self.fsync = fsync
+        #: the setting (``"auto"``, True, False); :meth:`prepare` decides :attr:`direct`
+        self.direct_io = direct_io
+        #: records of at least :data:`DIRECT_MIN_BYTES` are written with ``O_DIRECT``
+        self.direct = False
+        self._counts: dict[str, int] = {}
+        self._count_lock = threading.Lock()
         self._dirs: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: ThreadPoolExecutor | None = None
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def counts(self) -> dict[str, int]:
+        """``direct_writes``: records written with ``O_DIRECT``; ``direct_fallbacks``: direct
+        writes the file system refused (then written buffered)."""
+        with self._count_lock:
+            return dict(self._counts)
+
+    async def prepare(self, directory: str) -> None:
+        """Decide whether to use direct I/O, by :func:`~tierkv.backends.directio.probe` of
+        ``directory`` (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when
+        ``direct_io`` is True and the file system cannot do it."""
+        if self.direct_io is False:
+            return
+        try:
+            ok = await self.run(directio.probe, directory)
+        except OSError:
+            if self.direct_io is True:
+                raise
+            ok = False  # a directory this process cannot write to (read-only, say): buffered
+        if not ok and self.direct_io is True:
+            raise OSError(errno.EINVAL, "direct_io is true but this file system does not support O_DIRECT "
+                          "(older tmpfs, some FUSE mounts); set direct_io to auto or false", directory)
+        self.direct = ok
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads."""
@@ -264,7 +302,9 @@ class LocalDriver(Driver):
 
         Jobs first run on the CPU-count threads reading only what the page cache holds; those
         whose record must come from the device run again on up to ``depth`` threads that wait
-        for it, so a cold batch keeps the device busy without slowing down warm reads.
+        for it, so a cold batch keeps the device busy without slowing down warm reads. Reads
+        stay buffered with direct I/O on: cold ``O_DIRECT`` reads measured slower (the first,
+        non-blocking pass starts the kernel's readahead for every record; docs/design.md).
         """
         results: list[Any] = await self.map(lambda i: job(i, LocalSource(paths[i], nowait=True)),
                                              len(paths), nbytes)
@@ -294,8 +334,37 @@ class LocalDriver(Driver):
         if d not in self._dirs:
             os.makedirs(d, exist_ok=True)
             self._dirs.add(d)
+        bufs = data if isinstance(data, list) else [data]
+        total = sum(memoryview(b).nbytes for b in bufs)
         tmp = temp_name(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        direct = self.direct and total >= DIRECT_MIN_BYTES
+        if direct:
+            try:
+                self._write_temp(tmp, d, bufs, total, True)
+            except OSError as exc:
+                if exc.errno not in directio.UNSUPPORTED:
+                    raise
+                self._count("direct_fallbacks")
+                direct = False
+        if not direct:
+            self._write_temp(tmp, d, bufs, total, False)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        if direct:
+            self._count("direct_writes")
+        if self.fsync:
+            dfd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def _write_temp(self, tmp: str, d: str, bufs: list[Any], total: int, direct: bool) -> None:
+        """Write ``bufs`` to the new file ``tmp`` (removed again when anything fails)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (directio.O_DIRECT if direct else 0)
         try:
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:
@@ -303,13 +372,14 @@ class LocalDriver(Driver):
             os.makedirs(d, exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
         try:
-            bufs = data if isinstance(data, list) else [data]
-            total = sum(memoryview(b).nbytes for b in bufs)
-            done = os.writev(fd, bufs)
-            if done != total:
-                view = b"".join(bytes(b) for b in bufs)[done:]
-                while view:
-                    view = view[os.write(fd, view):]
+            if direct:
+                directio.write_file(fd, bufs)
+            else:
+                done = os.writev(fd, bufs)
+                if done != total:
+                    view = b"".join(bytes(b) for b in bufs)[done:]
+                    while view:
+                        view = view[os.write(fd, view):]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -317,17 +387,6 @@ class LocalDriver(Driver):
             _unlink_quiet(tmp)
             raise
         os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
-        if self.fsync:
-            dfd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
 
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """Write the batch in chunks over the worker threads."""

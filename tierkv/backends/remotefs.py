@@ -162,6 +162,10 @@ class AsyncDriver(Driver):
         self.retry = retry or RetryPolicy()
         self.retries = 0
 
+    def counts(self) -> dict[str, int]:
+        """``retries``: requests tried again after a transient failure."""
+        return {"retries": self.retries} if self.retries else {}
+
     async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         policy = self.retry
         deadline = time.monotonic() + policy.budget_s
