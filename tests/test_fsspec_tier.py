@@ -668,3 +668,40 @@ async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() 
         assert await driver.map(lambda i: i * 2, 5) == [0, 2, 4, 6, 8]  # the driver still works
     finally:
         await driver.close()
+
+
+async def test_probes_of_records_it_knows_need_no_storage_round_trip(tmp_path: Path) -> None:
+    """A new process restoring a prefix probes records its start-up listing already found: answered
+    from memory (no per-file check on storage); unknown ones are still looked for; one removed
+    behind its back is answered present and then read as a counted miss, never served."""
+    url = f"file://{tmp_path}"
+    ks = keys(6, salt=21)
+    data = rand_blocks(6, BB)
+    writer = make_tier(url)
+    await writer.open()
+    await writer.put(FULL, ks[:4], data[:4])
+    await writer.close()
+    tier = make_tier(url)
+    await tier.open()
+    try:
+        await tier.scan()  # what the store's background task does at start
+        asked: list[int] = []
+        real = tier.driver.exists_many
+
+        async def counting(paths: list[str]) -> list[bool]:
+            asked.append(len(paths))
+            return await real(paths)
+
+        tier.driver.exists_many = counting  # type: ignore[method-assign]
+        assert await tier.contains(FULL, ks[:4]) == [True] * 4
+        assert asked == []
+        assert await tier.contains(FULL, ks) == [True] * 4 + [False] * 2
+        assert asked == [2]
+        os.unlink(tier.path(ks[0]))  # another process evicted it
+        assert await tier.contains(FULL, ks[:1]) == [True]
+        out = torch.zeros((1, BB), dtype=torch.uint8)
+        assert await tier.get(FULL, ks[:1], out) == [False]
+        assert not out.any()
+        assert await tier.contains(FULL, ks[:1]) == [False]  # the miss was learned
+    finally:
+        await tier.close()

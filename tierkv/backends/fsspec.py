@@ -516,11 +516,25 @@ class FsspecTier(Tier):
         return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each record exists (a later ``get`` still verifies it)."""
+        """Whether each record exists (a later ``get`` still verifies it).
+
+        Records this process wrote, read or listed (its capacity ledger) are answered from memory;
+        only the others are looked for on storage. One that another process removed since is
+        found missing by the read that follows: a counted miss, as for any record gone meanwhile.
+        """
+        paths = [self.path(k) for k in keys]
+        ledger = self._ledger
+        out = [p in ledger for p in paths]
+        ask = [i for i, known in enumerate(out) if not known]
+        if not ask:
+            return out
         try:
-            return await self.driver.exists_many([self.path(k) for k in keys])
+            found = await self.driver.exists_many([paths[i] for i in ask])
         except Exception as exc:
             raise self._error("probing records", exc) from None
+        for i, f in zip(ask, found, strict=True):
+            out[i] = f
+        return out
 
     async def delete(self, group: int, keys: Sequence[bytes]) -> None:
         """Remove records."""
