@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from pydantic import BaseModel
 
+from tierkv import sharedmem
 from tierkv.errors import CapacityError, InvalidArgument
 from tierkv.layout import Layout
 from tierkv.policy import EvictionPolicy, make_policy
@@ -172,7 +173,8 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
     Group ``g``'s pool starts at the sum of the earlier groups' bytes, each rounded up to 4 KiB.
     The mapping is populated now (``MAP_POPULATE``: the file's pages allocated and mapped into
     this process), as a private pool is zero-filled: a first restore into never-touched shared
-    pages ran at a tenth of the speed of one into mapped pages, a page fault every 4 KiB.
+    pages ran at a tenth of the speed of one into mapped pages, a page fault every 4 KiB. The
+    mapping is registered in :mod:`tierkv.sharedmem`, so reader processes can read into it.
     """
     offsets, total = {}, 0
     for g in plan.groups:
@@ -183,6 +185,7 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
         if os.fstat(fd).st_size != total:
             os.ftruncate(fd, total)
         mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        sharedmem.register(mapped, fd)
     finally:
         os.close(fd)
     flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive

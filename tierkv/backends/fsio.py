@@ -185,14 +185,25 @@ class Driver:
             results[i] = err if err is not None else len(blobs[i])  # type: ignore[arg-type]
         return results
 
+    def reads_in_place(self) -> bool:
+        """Whether :meth:`read_each` may use ``inplace`` (building it costs the caller a little)."""
+        return False
+
     async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int) -> list[R | BaseException]:
+                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                        ) -> list[R | int | BaseException]:
         """``job(i, source)`` over each record's bytes (at most ``limit``); per item its result or
-        the error reading it raised (an ``OSError`` the job raises counts as one)."""
+        the error reading it raised (an ``OSError`` the job raises counts as one).
+
+        ``inplace[i]``, when given, is ``(header, row)``: record ``i`` should be a ``none`` record,
+        ``header`` then the numpy row's bytes then the trailer. A driver may read such a record
+        into ``row`` itself and verify it (:func:`~tierkv.record.none_parts_match`); its result is
+        then the record's size, as ``job`` returns for one it verified. The others go to ``job``.
+        """
         datas = await self.read_many(paths, limit - 1)
 
-        def check_all() -> list[R | BaseException]:
-            out: list[R | BaseException] = []
+        def check_all() -> list[R | int | BaseException]:
+            out: list[R | int | BaseException] = []
             for i, d in enumerate(datas):
                 if isinstance(d, BaseException):
                     out.append(d)

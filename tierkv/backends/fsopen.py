@@ -15,7 +15,8 @@ from tierkv.backends.redact import redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound
 
-__all__ = ["S3_FAIL_FAST", "default_io_threads", "is_local_url", "open_driver", "url_problem"]
+__all__ = ["S3_FAIL_FAST", "default_io_threads", "default_read_processes", "is_local_url", "open_driver",
+           "url_problem"]
 
 #: the extra to install for a protocol fsspec cannot load
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
@@ -60,6 +61,11 @@ def default_io_threads(*, local: bool) -> int:
     return max(2, min(8, os.cpu_count() or 2)) if local else 4
 
 
+def default_read_processes() -> int:
+    """``read_processes`` ``"auto"``: the CPU count, 1 to 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 #: s3fs client settings tierkv uses unless the storage options set them: one attempt per request
 #: (tierkv retries transient failures itself, within a bound) and timeouts that let a dead or hung
 #: server fail a request in seconds, not minutes
@@ -69,12 +75,14 @@ S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "st
 
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
                 threads: int | None, fsync: bool, depth: int = 16,
-                retry: RetryPolicy | None = None, direct_io: bool | str = False) -> tuple[Driver, str]:
+                retry: RetryPolicy | None = None, direct_io: bool | str = False,
+                read_processes: int | str = 0) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
     CPU work, and more threads than cores only contend) and ``direct_io`` (the tier's setting,
-    settled by :meth:`~tierkv.backends.localfs.LocalDriver.prepare`); other file systems are
+    settled by :meth:`~tierkv.backends.localfs.LocalDriver.prepare`) and ``read_processes``
+    (``"auto"``: :func:`default_read_processes`); other file systems are
     bounded by ``limiter``.
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
@@ -89,7 +97,8 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         if not root.startswith("/"):
             root = os.path.abspath(root)
         threads = threads or default_io_threads(local=True)
-        return LocalDriver(limiter, threads, fsync, depth, direct_io), root.rstrip("/") or "/"
+        procs = default_read_processes() if read_processes == "auto" else int(read_processes)
+        return LocalDriver(limiter, threads, fsync, depth, direct_io, procs), root.rstrip("/") or "/"
     import fsspec
 
     try:

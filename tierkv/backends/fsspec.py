@@ -33,7 +33,7 @@ from typing import Any, Literal
 import anyio
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
 from tierkv.backends.capacity import Ledger
@@ -104,6 +104,11 @@ class FsspecTierConfig(TierConfig):
     #: True to require it, False for buffered writes (new records then stay in the page cache,
     #: and reads of them soon after are memory copies). Reads are buffered either way.
     direct_io: Literal["auto"] | bool = "auto"
+    #: local paths: reads into a pool in shared memory (the vLLM adapter's, a ``cpu`` tier with
+    #: ``shm_path``) are done by this many helper processes, each with its own GIL, so a busy
+    #: engine loop in this process does not slow a restore down; ``"auto"``: the CPU count, 1 to
+    #: 4; 0: threads only. Linux only (elsewhere: threads).
+    read_processes: Literal["auto"] | NonNegativeInt = "auto"
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
@@ -235,7 +240,8 @@ class FsspecTier(Tier):
             retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
                                 timeout_s=cfg.request_timeout_s)
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
-                                                  cfg.fsync, cfg.io_depth, retry, cfg.direct_io)
+                                                  cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
+                                                  cfg.read_processes)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await self._write_manifest()
@@ -475,7 +481,11 @@ class FsspecTier(Tier):
         def job(i: int, src: RecordSource) -> int | str | None:
             return self._read_into(keys[i], np_out[i], heads, src)
 
-        verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes)
+        inplace = None
+        if heads and self.driver.reads_in_place():
+            inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
+        verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes,
+                                               inplace)
         found: list[bool] = []
         corrupt, read_paths, read_sizes = [], [], []
         for path, k, v in zip(paths, keys, verdicts, strict=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import logging
 import os
 import stat
 import threading
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from tierkv import sharedmem
 from tierkv.backends import directio
 from tierkv.backends.fsio import (
     PAUSE_MAX_S,
@@ -26,8 +28,12 @@ from tierkv.backends.fsio import (
     WouldBlock,
     temp_name,
 )
+from tierkv.backends.readproc import ReaderProcesses
+from tierkv.backends.readproc import supported as readproc_supported
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT"]
+
+log = logging.getLogger("tierkv.fsspec")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -166,7 +172,7 @@ class LocalDriver(Driver):
     """
 
     def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16,
-                 direct_io: bool | str = False) -> None:
+                 direct_io: bool | str = False, read_processes: int = 0) -> None:
         super().__init__(limiter)
         self.threads = threads
         self.depth = max(depth, threads)
@@ -181,6 +187,10 @@ class LocalDriver(Driver):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: ThreadPoolExecutor | None = None
+        #: helper processes for reads into shared memory (:mod:`~tierkv.backends.readproc`)
+        self.read_processes = read_processes if readproc_supported() else 0
+        self._readers: ReaderProcesses | None = None
+        self._reader_deaths_before = 0
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -188,14 +198,17 @@ class LocalDriver(Driver):
 
     def counts(self) -> dict[str, int]:
         """``direct_writes``: records written with ``O_DIRECT``; ``direct_fallbacks``: direct
-        writes the file system refused (then written buffered)."""
+        writes the file system refused (then written buffered); ``reader_reads``: records read
+        and verified by reader processes; ``reader_deaths``: reader processes that ended."""
         with self._count_lock:
             return dict(self._counts)
 
     async def prepare(self, directory: str) -> None:
-        """Decide whether to use direct I/O, by :func:`~tierkv.backends.directio.probe` of
-        ``directory`` (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when
-        ``direct_io`` is True and the file system cannot do it."""
+        """Start the reader processes when this process has shared memory to read into; decide
+        whether to use direct I/O, by :func:`~tierkv.backends.directio.probe` of ``directory``
+        (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when ``direct_io`` is True and
+        the file system cannot do it."""
+        self._start_readers()
         if self.direct_io is False:
             return
         try:
@@ -208,6 +221,35 @@ class LocalDriver(Driver):
             raise OSError(errno.EINVAL, "direct_io is true but this file system does not support O_DIRECT "
                           "(older tmpfs, some FUSE mounts); set direct_io to auto or false", directory)
         self.direct = ok
+
+    def _start_readers(self) -> None:
+        """Start the helpers once, if wanted and some shared region is live (they map it)."""
+        if self._readers is not None or not self.read_processes:
+            return
+        live = sharedmem.regions()
+        if not live:
+            return
+        try:
+            self._readers = ReaderProcesses(self.read_processes, live)
+        except OSError as exc:
+            log.warning("cannot start reader processes (%s): reading in threads", exc)
+            self.read_processes = 0
+
+    async def _restart_readers(self, old: ReaderProcesses) -> None:
+        """Replace the helpers by new ones that map every live region (old deaths stay counted)."""
+        if self._readers is not old:
+            return  # another call did it
+        self._readers = None
+        with self._count_lock:
+            self._reader_deaths_before += old.dead()
+        await self.run(old.close)
+        self._start_readers()
+
+    def reads_in_place(self) -> bool:
+        """True when reader processes may take records (some shared memory is mapped)."""
+        if self.read_processes and self._readers is None:
+            self._start_readers()
+        return self._readers is not None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads."""
@@ -278,7 +320,10 @@ class LocalDriver(Driver):
         return results
 
     async def close(self) -> None:
-        """Stop the worker threads (after the jobs already queued)."""
+        """Stop the worker threads (after the jobs already queued) and the reader processes."""
+        if self._readers is not None:
+            readers, self._readers = self._readers, None
+            await anyio.to_thread.run_sync(readers.close)
         await anyio.to_thread.run_sync(self._pool.shutdown)
         if self._cold is not None:
             await anyio.to_thread.run_sync(self._cold.shutdown)
@@ -297,18 +342,28 @@ class LocalDriver(Driver):
         return list(await self.map(one, len(paths), nbytes))
 
     async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int) -> list[R | BaseException]:
+                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                        ) -> list[R | int | BaseException]:
         """Each job runs in a worker thread on the file itself (a scatter read into its rows).
 
-        Jobs first run on the CPU-count threads reading only what the page cache holds; those
-        whose record must come from the device run again on up to ``depth`` threads that wait
-        for it, so a cold batch keeps the device busy without slowing down warm reads. Reads
-        stay buffered with direct I/O on: cold ``O_DIRECT`` reads measured slower (the first,
-        non-blocking pass starts the kernel's readahead for every record; docs/design.md).
+        Records whose ``inplace`` rows lie in shared memory go first to the reader processes
+        (:mod:`~tierkv.backends.readproc`); what they could not verify is read here. Jobs first
+        run on the CPU-count threads reading only what the page cache holds; those whose record
+        must come from the device run again on up to ``depth`` threads that wait for it, so a
+        cold batch keeps the device busy without slowing down warm reads. Reads stay buffered
+        with direct I/O on: cold ``O_DIRECT`` reads measured slower (the first, non-blocking pass
+        starts the kernel's readahead for every record; docs/design.md).
         """
-        results: list[Any] = await self.map(lambda i: job(i, LocalSource(paths[i], nowait=True)),
-                                             len(paths), nbytes)
-        cold = [i for i, r in enumerate(results) if isinstance(r, WouldBlock)]
+        results: list[Any] = [None] * len(paths)
+        todo = list(range(len(paths)))
+        if inplace is not None and self._readers is not None:
+            todo = await self._read_in_helpers(self._readers, paths, inplace, results)
+        if todo:
+            got = await self.map(lambda j: job(todo[j], LocalSource(paths[todo[j]], nowait=True)),
+                                 len(todo), nbytes * len(todo) // len(paths))
+            for i, r in zip(todo, got, strict=True):
+                results[i] = r
+        cold = [i for i in todo if isinstance(results[i], WouldBlock)]
         if cold:
             if self._cold is None:
                 self._cold = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="tierkv-io-wait")
@@ -324,6 +379,44 @@ class LocalDriver(Driver):
 
             await self._run_all([functools.partial(one, i) for i in cold], stop, self._cold)
         return results
+
+    async def _read_in_helpers(self, readers: ReaderProcesses, paths: list[str],
+                               inplace: list[tuple[bytes, Any]], results: list[Any]) -> list[int]:
+        """Hand the records with rows in shared memory to the ready helpers, in even runs; their
+        verified sizes go into ``results``. The positions left for the threads."""
+        ready = readers.ready()
+        self._note_deaths(readers)
+        if not ready:
+            return list(range(len(paths)))
+        positions, items, unknown = readers.items(paths, inplace)
+        if unknown:  # a pool mapped after the helpers started: new helpers map it (this batch: threads)
+            await self._restart_readers(readers)
+            return list(range(len(paths)))
+        if not items:
+            return list(range(len(paths)))
+        parts = _chunks(len(items), len(ready))
+        answers = await self._run_all([functools.partial(p.read, items[r.start:r.stop])
+                                       for p, r in zip(ready, parts, strict=False)])
+        done = 0
+        for r, sizes in zip(parts, answers, strict=False):
+            for j, size in zip(r, sizes, strict=True):
+                if size > 0:
+                    results[positions[j]] = size
+                    done += 1
+        if done:
+            self._count("reader_reads", done)
+        self._note_deaths(readers)
+        return [i for i, r in enumerate(results) if r is None]
+
+    def _note_deaths(self, readers: ReaderProcesses) -> None:
+        dead = self._reader_deaths_before + readers.dead()
+        with self._count_lock:
+            known = self._counts.get("reader_deaths", 0)
+            if dead > known:
+                self._counts["reader_deaths"] = dead
+        if dead > known:
+            log.warning("%d of %d reader processes ended; their reads go to threads", dead,
+                        len(readers.procs))
 
     def write_one(self, path: str, data: bytes | list[Any]) -> None:
         """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""

@@ -246,7 +246,8 @@ class AsyncDriver(Driver):
         return [err if err is not None else sizes[i] for i, err in enumerate(errors)]
 
     async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int) -> list[R | BaseException]:
+                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                        ) -> list[R | int | BaseException]:
         """Each record is checked on the event loop as soon as its GET returns (see
         :meth:`write_each` for why not in a worker thread), while the other requests go on."""
 

@@ -249,7 +249,7 @@ def _condense(stats: dict[str, Any] | None) -> dict[str, Any] | None:
     if stats is None:
         return None
     keys = ("kind", "describe", "hits", "misses", "bytes_read", "bytes_written", "stores", "stores_shed",
-            "stores_failed", "stores_skipped", "promotions", "promotions_failed", "probes")
+            "stores_failed", "stores_skipped", "promotions", "promotions_failed", "probes", "backend")
     return {"tiers": [{k: t.get(k) for k in keys} for t in stats.get("tiers", [])],
             "lookups": stats.get("lookups"), "promotions_pending": stats.get("promotions_pending"),
             "pending_deadline_miss": stats.get("pending_deadline_miss"), "cost": stats.get("cost")}

@@ -1,0 +1,327 @@
+"""Reader processes: records read straight into a pool in shared memory by helper processes are
+the stored bytes; anything a helper cannot verify (damage, a cold record, a helper that died) is
+read in threads as before, never served wrong; helpers end with the tier, and with their parent."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
+from tierkv.backends.base import TierContext
+from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+from tierkv.backends.readproc import ReaderProcesses
+from tierkv.errors import ConfigError
+from tierkv.keys import make_key
+from tierkv.pool import PoolPlan, plan_pools, shared_pool_tensors
+
+pytestmark = [pytest.mark.anyio,
+              pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reader processes need Linux")]
+
+BB = 64 * 1024
+N = 24
+
+
+def layout() -> Layout:
+    return Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])
+
+
+def ctx() -> TierContext:
+    lay = layout()
+    return TierContext(layout=lay, namespace="readers", fingerprint=lay.fingerprint("readers"))
+
+
+def keys(n: int = N) -> list[bytes]:
+    return [make_key(i.to_bytes(32, "big"), 0) for i in range(n)]
+
+
+def blocks(n: int = N, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
+
+
+def plan(n: int = N) -> PoolPlan:
+    return plan_pools(None, layout(), 1, {0: n})
+
+
+def tier(root: Path, **kw: Any) -> FsspecTier:
+    return FsspecTier(FsspecTierConfig(url=f"file://{root}", **kw), ctx())
+
+
+async def stored(root: Path, data: torch.Tensor) -> None:
+    t = tier(root)
+    await t.open()
+    try:
+        assert await t.put(0, keys(len(data)), data) == [True] * len(data)
+    finally:
+        await t.close()
+    for p in root.rglob("*.tkv"):  # in the page cache (direct writes leave them out)
+        p.read_bytes()
+
+
+def backend(t: FsspecTier) -> dict[str, int]:
+    """The tier's counters with its driver's (as the store's stats report them)."""
+    t.used_bytes()
+    return t.counters
+
+
+def readers_of(t: FsspecTier) -> ReaderProcesses:
+    readers = t.driver._readers  # type: ignore[attr-defined]
+    assert readers is not None, "no reader processes started"
+    deadline = time.monotonic() + 20
+    while len(readers.ready()) < len(readers.procs):
+        assert time.monotonic() < deadline, "reader processes never became ready"
+        time.sleep(0.01)
+    return readers
+
+
+async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_bytes(tmp_path: Path) -> None:
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=2)
+    await t.open()
+    try:
+        readers = readers_of(t)
+        assert len(readers.procs) == 2
+        found = await t.get(0, keys(), pool)
+        assert found == [True] * N
+        assert torch.equal(pool, data)
+        assert backend(t).get("reader_reads") == N  # every record by a helper, none by a thread
+        procs = [p.proc for p in readers.procs]
+    finally:
+        await t.close()
+    assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
+
+
+async def test_a_pool_mapped_after_the_helpers_started_is_read_by_new_helpers(tmp_path: Path) -> None:
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    early = shared_pool_tensors(str(tmp_path / "early"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        first = readers_of(t)
+        late = shared_pool_tensors(str(tmp_path / "late"), plan())[0]
+        assert await t.get(0, keys(), late) == [True] * N  # in threads, while new helpers start
+        assert torch.equal(late, data)
+        assert readers_of(t) is not first
+        late.zero_()
+        assert await t.get(0, keys(), late) == [True] * N
+        assert torch.equal(late, data)
+        counts = backend(t)
+        assert counts.get("reader_reads") == N
+        assert not counts.get("reader_deaths")
+        assert first.procs[0].proc.returncode is not None, "the replaced helper still runs"
+    finally:
+        await t.close()
+    del early
+
+
+async def test_a_damaged_record_is_a_counted_miss_with_helpers_on(tmp_path: Path) -> None:
+    data = blocks()
+    root = tmp_path / "t"
+    await stored(root, data)
+    victim = next(p for p in sorted(root.rglob("*.tkv")))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(root, read_processes=1)
+    await t.open()
+    try:
+        readers_of(t)
+        found = await t.get(0, keys(), pool)
+        counts = backend(t)
+    finally:
+        await t.close()
+    assert found.count(False) == 1
+    bad = found.index(False)
+    assert counts.get("corrupt") == 1
+    assert counts.get("reader_reads") == N - 1
+    good = [i for i in range(N) if i != bad]
+    assert torch.equal(pool[good], data[good])
+    assert not victim.exists(), "the damaged record was not removed"
+
+
+async def test_records_out_of_the_page_cache_and_absent_ones_are_read_in_threads(tmp_path: Path) -> None:
+    data = blocks()
+    root = tmp_path / "t"
+    await stored(root, data)
+    files = sorted(root.rglob("*.tkv"))
+    for p in files[: N // 2]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan(N + 1))[0]
+    t = tier(root, read_processes=1)
+    await t.open()
+    try:
+        readers_of(t)
+        found = await t.get(0, [*keys(), make_key(b"\xff" * 32, 0)], pool)
+    finally:
+        await t.close()
+    assert found == [True] * N + [False]
+    assert torch.equal(pool[:N], data)
+
+
+async def test_a_helper_that_dies_is_counted_and_its_reads_go_to_threads(tmp_path: Path) -> None:
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        readers = readers_of(t)
+        readers.procs[0].proc.kill()
+        readers.procs[0].proc.wait()
+        for _ in range(2):  # the death is found by the first call, which reads in threads
+            pool.zero_()
+            assert await t.get(0, keys(), pool) == [True] * N
+            assert torch.equal(pool, data)
+        assert backend(t).get("reader_deaths") == 1
+        assert not backend(t).get("reader_reads")
+    finally:
+        await t.close()
+
+
+async def test_private_rows_and_read_processes_0_use_threads_only(tmp_path: Path) -> None:
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    shared_pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=0)
+    await t.open()
+    try:
+        assert t.driver._readers is None  # type: ignore[attr-defined]
+        assert await t.get(0, keys(), shared_pool) == [True] * N
+    finally:
+        await t.close()
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        readers_of(t)
+        out = torch.zeros_like(data)  # private memory: the helpers cannot write there
+        assert await t.get(0, keys(), out) == [True] * N
+        assert torch.equal(out, data)
+        assert not backend(t).get("reader_reads")
+    finally:
+        await t.close()
+
+
+async def test_a_store_restores_a_prefix_into_its_shared_pool_through_helpers(tmp_path: Path) -> None:
+    data = blocks()
+    hashes = [k[:32] for k in keys()]
+    file_tier = {"kind": "fsspec", "url": f"file://{tmp_path / 't'}"}
+    base = {"layout": layout(), "namespace": "readers"}
+    async with TieredStore({**base, "tiers": [{"kind": "cpu", "slots": {0: N}}, file_tier]}) as store:
+        await store.put(0, hashes, data)
+        await store.flush()
+    for p in (tmp_path / "t").rglob("*.tkv"):  # helpers read what the page cache holds
+        p.read_bytes()
+    shared = {"kind": "cpu", "slots": {0: N}, "shm_path": str(tmp_path / "pool")}
+    async with TieredStore({**base, "tiers": [shared, {**file_tier, "read_processes": 2}]}) as store:
+        readers_of(store._tiers[1])  # type: ignore[arg-type]  # started with the tier, ready soon after
+        deadline = time.monotonic() + 10
+        while True:
+            pl = store.lookup_prefix(hashes, request_id="r")
+            if pl.state is not Lookup.PENDING:
+                break
+            assert time.monotonic() < deadline
+            await anyio.sleep(0.002)
+        assert (pl.state, pl.blocks) == (Lookup.HIT, N)
+        out = torch.zeros_like(data)
+        await store.get(0, hashes, out, request_id="r")
+        assert torch.equal(out, data)
+        counters = store.stats().tiers[1].backend
+        store.release("r")
+    assert counters.get("reader_reads", 0) > 0, counters
+
+
+def test_read_processes_must_be_auto_or_a_count(tmp_path: Path) -> None:
+    for bad in (-1, "many", 1.5):
+        with pytest.raises(ConfigError, match="read_processes"):
+            TieredStore({"layout": layout(), "namespace": "x",
+                         "tiers": [{"kind": "cpu", "slots": {0: 2}},
+                                   {"kind": "fsspec", "url": f"file://{tmp_path}", "read_processes": bad}]})
+
+
+def test_a_region_is_forgotten_when_its_mapping_is_freed(tmp_path: Path) -> None:
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    address = pool.data_ptr()
+    found = sharedmem.region_of(address, pool.nbytes)
+    assert found is not None and found[1] == 0
+    fd = found[0].fd
+    os.fstat(fd)
+    del pool
+    gc.collect()
+    assert sharedmem.region_of(address, 1) is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_helpers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+    data = blocks()
+    anyio.run(stored, tmp_path / "t", data)
+    script = textwrap.dedent(f"""
+        import anyio, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_reader_processes import plan, tier, readers_of
+        from tierkv.pool import shared_pool_tensors
+        from pathlib import Path
+        pool = shared_pool_tensors({str(tmp_path / 'pool')!r}, plan())[0]
+        async def main():
+            t = tier(Path({str(tmp_path / 't')!r}), read_processes=2)
+            await t.open()
+            print(*[p.proc.pid for p in readers_of(t).procs], flush=True)
+            time.sleep(60)
+        anyio.run(main)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pids = [int(x) for x in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in pids if _alive(p)]
+    assert not alive, f"helpers {alive} outlived their killed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_busy_restore_benchmark_runs_and_its_helpers_read(tmp_path: Path) -> None:
+    bench = Path(__file__).parent.parent / "bench" / "busy_restore.py"
+    out = tmp_path / "busy.json"
+    res = subprocess.run([sys.executable, str(bench), "--blocks", "4", "--block-kib", "64", "--repeats", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "read by reader processes in the last round: 4 of 4" in res.stdout
+
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["variant"], r["busy"]) for r in rows} == {
+        (v, b) for v in ("raw readinto", "private", "shared, read_processes 0", "shared, read_processes auto")
+        for b in (False, True)}

@@ -1,0 +1,226 @@
+"""Reader processes: page-cache reads of records straight into a pool in shared memory.
+
+An engine's scheduler process holds the GIL most of the time (vLLM's step loop spins while a
+request waits for its blocks), and every system call of a reader thread waits for it again: in
+such a process a restore read 128 MiB at a quarter of the speed of the same code alone. Where the
+rows a tier reads into lie in a shared file mapping (:mod:`tierkv.sharedmem`: the vLLM
+adapter's pool, a ``cpu`` tier with ``shm_path``), helper processes with their own GIL map the
+same file and read there instead.
+
+A helper reads only what the page cache holds (``RWF_NOWAIT``) and only ``none`` records it can
+verify in place (:func:`~tierkv.record.none_parts_match`: header, key and checksum). It answers
+each record with its size when verified, else 0, and the driver then reads that record in its own
+threads as it would have (a cold record, a damaged one, another codec, an absent file): so a
+helper never decides a verdict other than "verified". A helper that dies is counted and not used
+again; one whose parent dies sees its request pipe close and exits. Helpers run in their own
+session, so a terminal's Ctrl-C reaches the parent only, which then closes them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tierkv.sharedmem import SharedRegion, region_of
+
+__all__ = ["Item", "ReaderProcess", "ReaderProcesses", "supported"]
+
+#: one record for a helper: (region id, offset in the region, row length, path, expected header)
+Item = tuple[int, int, int, str, bytes]
+_STOP_S = 2.0
+
+
+def supported() -> bool:
+    """Whether helpers can run here: non-blocking page-cache reads (Linux) and a Python to start."""
+    return getattr(os, "RWF_NOWAIT", None) is not None and bool(sys.executable)
+
+
+class ReaderProcess:
+    """One helper process; :meth:`read` hands it a batch and waits for its answers."""
+
+    def __init__(self, regions: list[SharedRegion]) -> None:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        specs = [f"{r.id}:{r.fd}:{r.size}" for r in regions]
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierkv.backends.readproc", str(req_r), str(rep_w), *specs],
+                pass_fds=(req_r, rep_w, *(r.fd for r in regions)), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        self._send = Connection(req_w, readable=False)
+        self._recv = Connection(rep_r, writable=False)
+        self.regions = frozenset(r.id for r in regions)
+        self.state = "starting"
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        """True once the helper has mapped the regions (never waits)."""
+        if self.state == "starting" and self._lock.acquire(blocking=False):
+            try:
+                if self._recv.poll(0):
+                    self.state = "ready" if self._recv.recv() == "ready" else "dead"
+            except (EOFError, OSError):
+                self.state = "dead"
+            finally:
+                self._lock.release()
+        return self.state == "ready"
+
+    def read(self, items: list[Item]) -> list[int]:
+        """Per item, the verified record's size, or 0 (the caller reads it itself)."""
+        with self._lock:
+            if self.state != "ready":
+                return [0] * len(items)
+            try:
+                self._send.send(items)
+                got: list[int] = self._recv.recv()
+                if len(got) == len(items):
+                    return got
+            except (EOFError, OSError):
+                pass
+            if self.state == "ready":  # not closed under us: it died, or answered nonsense
+                self.state = "dead"
+            self._end()  # no write of its may land in rows the caller now reads itself
+            return [0] * len(items)
+
+    def _end(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Close its pipes (it exits on that) and wait for it; kill it when it does not go.
+
+        A batch in progress ends first (killed when it takes over two seconds), so no write of
+        the helper's lands after its reader has returned."""
+        if not self._lock.acquire(timeout=_STOP_S):
+            self.proc.kill()
+            self._lock.acquire()
+        try:
+            if self.state != "dead":
+                self.state = "closed"
+            for conn in (self._send, self._recv):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+        finally:
+            self._lock.release()
+        try:
+            self.proc.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ReaderProcesses:
+    """``count`` helpers over the shared regions that are live when they start."""
+
+    def __init__(self, count: int, regions: list[SharedRegion]) -> None:
+        self.regions = {r.id for r in regions}
+        self.procs: list[ReaderProcess] = []
+        try:
+            for _ in range(count):
+                self.procs.append(ReaderProcess(regions))
+        except OSError:
+            self.close()
+            raise
+
+    def ready(self) -> list[ReaderProcess]:
+        """The helpers that can take a batch now."""
+        out = []
+        for p in self.procs:
+            if p.ready():
+                out.append(p)
+            elif p.state == "dead" and p.proc.poll() is None:
+                p.close()
+        return out
+
+    def dead(self) -> int:
+        """How many helpers died (or answered what they should not)."""
+        return sum(p.state == "dead" for p in self.procs)
+
+    def items(self, paths: list[str], inplace: list[tuple[bytes, Any]]
+              ) -> tuple[list[int], list[Item], bool]:
+        """The positions whose rows lie in a region the helpers map, their items, and whether
+        some row lies in a region mapped after the helpers started (they cannot reach it)."""
+        positions: list[int] = []
+        items: list[Item] = []
+        unknown = False
+        for i, (header, row) in enumerate(inplace):
+            found = region_of(row.ctypes.data, row.nbytes)
+            if found is None:
+                continue
+            if found[0].id in self.regions:
+                positions.append(i)
+                items.append((found[0].id, found[1], row.nbytes, paths[i], header))
+            else:
+                unknown = True
+        return positions, items, unknown
+
+    def close(self) -> None:
+        """Stop every helper."""
+        for p in self.procs:
+            p.close()
+
+
+# ---- the helper -------------------------------------------------------------------------------------
+def _serve(argv: list[str]) -> int:
+    from tierkv.backends.fsio import WouldBlock
+    from tierkv.backends.localfs import LocalSource
+    from tierkv.record import TRAILER_LEN, none_parts_match
+
+    requests = Connection(int(argv[0]), writable=False)
+    replies = Connection(int(argv[1]), readable=False)
+    views: dict[int, memoryview] = {}
+    for spec in argv[2:]:
+        region, fd, size = (int(x) for x in spec.split(":"))
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        views[region] = memoryview(mmap.mmap(fd, size, flags=flags))
+        os.close(fd)
+
+    def read_one(item: Item) -> int:
+        region, offset, length, path, header = item
+        row = views[region][offset:offset + length]
+        head, tail = bytearray(len(header)), bytearray(TRAILER_LEN + 1)
+        try:
+            got = LocalSource(path, nowait=True).readinto([head, row, tail])
+        except (OSError, WouldBlock):
+            return 0
+        return got if got is not None and none_parts_match(header, head, row, tail, got) else 0
+
+    replies.send("ready")
+    while True:
+        try:
+            batch = requests.recv()
+        except EOFError:
+            return 0
+        replies.send([read_one(item) for item in batch])
+
+
+def main() -> None:
+    """A helper's life: serve batches until the request pipe closes; never a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = _serve(sys.argv[1:])
+    except BaseException:
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
