@@ -35,9 +35,10 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from restore import MIB, config, hashes_for, raw_readinto_loop, until_hit, write
+from restore import config, hashes_for, raw_readinto_loop, until_hit, write
 
 from tierkv import TieredStore
+from tierkv.benchmarks.pagecache import read_files
 
 VARIANTS = {"private": (False, 0), "shared, read_processes 0": (True, 0),
             "shared, read_processes auto": (True, "auto")}
@@ -84,13 +85,6 @@ async def restore_once(cfg: dict[str, Any], hashes: list[bytes], data: torch.Ten
         return elapsed, dict(store.stats().tiers[1].backend)
 
 
-def warm(paths: list[str]) -> None:
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(8 * MIB):
-                pass
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=128)
@@ -111,13 +105,14 @@ def main(argv: list[str] | None = None) -> None:
             tempfile.TemporaryDirectory(prefix="tierkv-busy-pool-", dir=shm_dir) as pools:
         tier = {"kind": "fsspec", "url": f"file://{tmp}/tier"}
         anyio.run(write, config(block, n, tier, None), hashes, data)
-        paths = sorted(str(f) for f in Path(tmp, "tier").rglob("*.tkv"))
+        files = sorted(Path(tmp, "tier").rglob("*.tkv"))
+        paths = [str(f) for f in files]
         rows = torch.zeros(n, block + 4096, dtype=torch.uint8)  # each record file fits its row
         times: dict[tuple[str, bool], list[float]] = {}
         counters: dict[str, dict[str, int]] = {}
         for _ in range(args.repeats):
             for spin in (False, True):
-                warm(paths)
+                read_files(files)
                 busy.on = spin
                 t0 = time.perf_counter()
                 raw_readinto_loop(paths, rows)
@@ -127,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                     cfg = config(block, n, {**tier, "read_processes": procs}, None)
                     if shared:
                         cfg["tiers"][0]["shm_path"] = f"{pools}/pool"
-                    warm(paths)
+                    read_files(files)
                     t, backend = anyio.run(restore_once, cfg, hashes, data, busy, spin)
                     times.setdefault((name, spin), []).append(t)
                     counters[name] = backend

@@ -55,10 +55,12 @@ the same size: ``--window-mb`` or enough rows for ``--inflight`` calls plus one,
 Phases, per system, block size and round (systems in rotating order from round to round):
 ``store`` (all calls; time until every job is reported finished), then ``os.sync`` timed on its
 own (``+sync``: what buffered writers still owe the device; vLLM's fs tier writes with O_DIRECT);
-``warm`` load of every block (the files were just written: buffered writers' pages are in the
-page cache; vLLM reads with O_DIRECT and never uses it); ``cold`` load after ``sync; echo 3 >
-/proc/sys/vm/drop_caches`` (needs root; where it fails the output says so and cold = warm). Every
-loaded byte is compared with what was stored; any difference or miss makes the bench exit 1.
+``warm`` load of every block after every file in the system's directory was read once, untimed
+(writers that bypass the page cache, tierkv's and vLLM's ``O_DIRECT`` records, would otherwise
+load from the device; vLLM also reads with O_DIRECT and never uses the cache); ``cold`` load
+after ``sync; echo 3 > /proc/sys/vm/drop_caches`` (needs root; where it fails the output says so
+and cold = warm). Every loaded byte is compared with what was stored; any difference or miss
+makes the bench exit 1.
 ``disk MB``: allocated bytes (st_blocks) of every file the system left in its directory after the
 store; ``raw/disk``: block bytes / that.
 
@@ -236,6 +238,19 @@ def tree_bytes(root: str | Path) -> tuple[int, int, int]:
             size += st.st_size
             alloc += st.st_blocks * 512
     return files, size, alloc
+
+
+def warm_tree(root: str | Path) -> None:
+    """Read every regular file under ``root`` once, so the page cache holds it."""
+    buf = memoryview(bytearray(8 << 20))
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+            except OSError:
+                continue
 
 
 def data_files(root: str | Path, suffix: str) -> list[Path]:
@@ -537,6 +552,8 @@ class ManagerSystem(System):
                 loaded = np.zeros(blocks.n, dtype=bool)
                 if cache == "cold":
                     res.cold_dropped = drop_caches() if self.cfg.drop else False
+                else:
+                    warm_tree(root)
                 dt = self.load(mgr, blocks, keys, blocks.calls, dest, loaded)
                 setattr(res, f"{cache}_s", dt)
                 res.verify(cache, blocks, dest, loaded)

@@ -185,6 +185,8 @@ def phase(cmd: dict[str, Any]) -> dict[str, Any]:
             loaded = np.zeros(blocks.n, dtype=bool)
             if cache == "cold":
                 res.cold_dropped = peers.drop_caches() if cmd["drop"] else False
+            else:
+                peers.warm_tree(cmd["root"])
             setattr(res, f"{cache}_s", load(d, keys, blocks.calls, dest, loaded))
             res.verify(cache, blocks, dest, loaded)
     finally:
