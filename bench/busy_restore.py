@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -146,7 +147,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        sys.exit(130)
+    benchmain.run(main)

@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -173,4 +174,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

@@ -14,6 +14,7 @@ import argparse
 import json
 
 import anyio
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 from tierkv.simulate import Scenario, run_scenario
 
@@ -45,9 +46,14 @@ async def main(blocks: int, as_json: bool) -> None:
               f"{n['from_scratch']:>7}")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Parse the command line and run the benchmark."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     anyio.run(main, a.blocks, a.json)
+
+
+if __name__ == "__main__":
+    benchmain.run(cli)

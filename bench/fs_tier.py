@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 import torch
 
@@ -726,4 +727,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

@@ -111,6 +111,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -1145,4 +1146,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    benchmain.run(main)

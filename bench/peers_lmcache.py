@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -267,4 +268,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Ctrl-C at a terminal reaches this child too: it ends at once, silently (bench/peers.py reports it)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     sys.exit(main())

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import anyio
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 from tierkv import GroupSpec, Layout, TieredStore
@@ -87,4 +88,4 @@ def main() -> None:
               f" {base / put:>10.2f} {base / get:>10.2f}")
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
@@ -355,4 +356,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

@@ -52,6 +52,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 
@@ -234,4 +236,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

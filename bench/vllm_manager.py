@@ -75,6 +75,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 from vllm.v1.kv_offload import config as vcfg
 from vllm.v1.kv_offload.base import (
@@ -391,4 +392,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchmain.run(main)

@@ -325,3 +325,81 @@ def test_the_busy_restore_benchmark_runs_and_its_helpers_read(tmp_path: Path) ->
     assert {(r["variant"], r["busy"]) for r in rows} == {
         (v, b) for v in ("raw readinto", "private", "shared, read_processes 0", "shared, read_processes auto")
         for b in (False, True)}
+
+
+def test_a_mapping_freed_inside_a_lookup_does_not_deadlock(tmp_path: Path) -> None:
+    # A signal handler (asyncio's SIGINT handler, an engine's) runs between any two bytecodes, so a
+    # collection it starts can free a shared mapping while this thread is inside region_of. That
+    # froze a restore on Ctrl-C; the mapping's finalizer must not wait on region_of's lock.
+    script = textwrap.dedent(f"""
+        import gc, mmap, os, signal
+        from tierkv import sharedmem
+        fd = os.open({str(tmp_path / "map")!r}, os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, 4096)
+        live = [mmap.mmap(fd, 4096) for _ in range(300)]
+        for m in live:
+            sharedmem.register(m, fd)
+        gc.disable()
+        signal.signal(signal.SIGALRM, lambda *_: gc.collect())
+        signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+        for _ in range(3000):
+            m = mmap.mmap(fd, 4096)
+            sharedmem.register(m, fd)
+            cycle = [m]
+            cycle.append(cycle)
+            del m, cycle
+            for _ in range(10):
+                sharedmem.region_of(1, 1)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        gc.collect()
+        print(len(sharedmem.regions()), len(os.listdir("/proc/self/fd")))
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("region_of deadlocked on a mapping freed inside it")
+    assert done.returncode == 0, done.stderr
+    live, fds = map(int, done.stdout.split())
+    # each live mapping holds two descriptors (its own, the region's); the 3,000 freed hold none
+    assert live == 300 and fds < 700
+
+
+def test_ctrl_c_ends_the_busy_restore_benchmark_and_its_helpers(tmp_path: Path) -> None:
+    bench = Path(__file__).parent.parent / "bench" / "busy_restore.py"
+    mark = f"tierkv-test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "TIERKV_TEST_MARK": mark}
+    proc = subprocess.Popen([sys.executable, str(bench), "--blocks", "32", "--block-kib", "256",
+                             "--repeats", "200"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not marked(mark, "tierkv.backends.readproc") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked(mark, "tierkv.backends.readproc"), "no helper ever started"
+    time.sleep(1.0)  # well into the restore rounds
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the benchmark did not end on Ctrl-C")
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while marked(mark, "tierkv.backends.readproc") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not marked(mark, "tierkv.backends.readproc"), "a helper outlived the benchmark"
+
+
+def marked(mark: str, command: str) -> list[int]:
+    """The live processes whose environment holds ``mark`` and whose command line holds ``command``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if mark.encode() in environ and command.encode() in cmdline:
+            found.append(int(pid))
+    return found

@@ -5,6 +5,10 @@ of its file); :func:`region_of` tells whether a buffer lies inside one, and wher
 processes (:mod:`tierkv.backends.readproc`) map the same file through the descriptor and read
 records straight into those bytes. A region is forgotten, and its descriptor closed, when its
 mapping is freed, so an address reused by a later allocation never points at a stale file.
+
+A mapping's finalizer can run anywhere in its thread (a collection started by any allocation, a
+signal handler), including while that thread holds this module's lock: it only queues the
+region, and every entry point drops the queued regions under the lock before it looks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SharedRegion:
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}
 _ids = itertools.count(1)
+_freed: list[int] = []
 
 
 def _address(mapped: mmap.mmap) -> int:
@@ -41,10 +46,15 @@ def _address(mapped: mmap.mmap) -> int:
 
 
 def _forget(region_id: int) -> None:
-    with _lock:
-        region = _regions.pop(region_id, None)
-    if region is not None:
-        os.close(region.fd)
+    _freed.append(region_id)
+
+
+def _drop_freed() -> None:
+    """Drop the regions whose mappings were freed; the caller holds ``_lock``."""
+    while _freed:
+        region = _regions.pop(_freed.pop(), None)
+        if region is not None:
+            os.close(region.fd)
 
 
 def register(mapped: mmap.mmap, fd: int) -> SharedRegion:
@@ -52,6 +62,7 @@ def register(mapped: mmap.mmap, fd: int) -> SharedRegion:
     region = SharedRegion(id=next(_ids), fd=os.dup(fd), base=_address(mapped), size=len(mapped))
     os.set_inheritable(region.fd, False)
     with _lock:
+        _drop_freed()
         _regions[region.id] = region
     weakref.finalize(mapped, _forget, region.id)
     return region
@@ -60,12 +71,14 @@ def register(mapped: mmap.mmap, fd: int) -> SharedRegion:
 def regions() -> list[SharedRegion]:
     """The live shared mappings."""
     with _lock:
+        _drop_freed()
         return list(_regions.values())
 
 
 def region_of(address: int, nbytes: int) -> tuple[SharedRegion, int] | None:
     """The region holding ``nbytes`` at ``address`` and their offset in it, or None."""
     with _lock:
+        _drop_freed()
         for r in _regions.values():
             if r.base <= address and address + nbytes <= r.base + r.size:
                 return r, address - r.base

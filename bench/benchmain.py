@@ -1,0 +1,39 @@
+"""How every script in ``bench/`` starts and ends: Ctrl-C prints one line and exits with 130.
+
+Import it before the heavy imports (torch, vLLM: seconds), so an interrupt while they load ends
+the script quietly too, and end the script with ``run(main)``: the script's own ``finally``
+blocks (temporary directories, servers, child engines) run as the interrupt unwinds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+__all__ = ["run"]
+
+NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
+
+
+def _while_importing(signum: int, frame: object) -> None:
+    os.write(2, f"{NAME}: interrupted\n".encode())
+    os._exit(130)
+
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, _while_importing)
+
+
+def run(main: Callable[[], int | None]) -> NoReturn:
+    """Call ``main`` and exit with what it returned (``None`` is 0); on Ctrl-C, one line and 130."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(f"{NAME}: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)

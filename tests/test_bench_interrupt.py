@@ -1,0 +1,32 @@
+"""Ctrl-C on a benchmark script, while it imports torch or while it measures: one line on stderr,
+exit status 130, no traceback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parent.parent / "bench"
+
+
+@pytest.mark.parametrize("script", ["restore.py", "fs_tier.py", "pool_copy.py"])
+@pytest.mark.parametrize("after_s", [0.8, 6.0])
+def test_ctrl_c_ends_a_benchmark_with_one_line(script: str, after_s: float) -> None:
+    proc = subprocess.Popen([sys.executable, str(BENCH / script)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"{script} did not end on Ctrl-C")
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"{script[:-3]}: interrupted"
+    assert "Traceback" not in err
