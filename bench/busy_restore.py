@@ -20,6 +20,10 @@ restore time (above 1: faster than the raw loop).
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -32,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,6 +17,10 @@ correlation ``--rho``, so neighbouring tokens are close but not equal.
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import functools
 import os
@@ -25,7 +29,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 import numpy.typing as npt
 import torch

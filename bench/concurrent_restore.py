@@ -10,11 +10,14 @@ the naive policy (a full primary is a miss), in the same run.
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import json
 
 import anyio
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 from tierkv.simulate import Scenario, run_scenario
 

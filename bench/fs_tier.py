@@ -61,6 +61,10 @@ size at the tier's own paths (so the directory fan-out cancels out), timed in th
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import asyncio
 import hashlib
@@ -78,7 +82,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 import torch
 

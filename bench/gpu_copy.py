@@ -13,12 +13,15 @@ device" and exits 0 where there is none.
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import json
 import statistics
 import time
 
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 from tierkv.transfer import Copy, DeviceTransfer

@@ -91,6 +91,10 @@ figures say so. Adding a system (SGLang's HiCacheFile, say): a :class:`System` s
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import asyncio
 import faulthandler
@@ -111,7 +115,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent

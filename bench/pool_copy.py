@@ -10,13 +10,16 @@ bookkeeping included). Figures are medians; ratios above 1 are faster than the b
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import statistics
 import time
 from collections.abc import Callable
 
 import anyio
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 from tierkv import GroupSpec, Layout, TieredStore

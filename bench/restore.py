@@ -37,6 +37,10 @@ time / tierkv time: above 1 is faster than the baseline).
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -48,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore

@@ -40,6 +40,10 @@ Needs the SGLang venv (tests/sglang/requirements.txt); the torchvision stub of t
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import json
 import shutil
@@ -51,8 +55,6 @@ import time
 import types
 from pathlib import Path
 from typing import Any
-
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))

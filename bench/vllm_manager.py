@@ -57,6 +57,10 @@ only, not the store's background thread) and prints the top functions by own tim
 
 from __future__ import annotations
 
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
 import argparse
 import cProfile
 import gc
@@ -75,7 +79,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import benchmain  # first: Ctrl-C while the imports below load ends quietly
 import torch
 from vllm.v1.kv_offload import config as vcfg
 from vllm.v1.kv_offload.base import (
