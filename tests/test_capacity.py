@@ -37,6 +37,20 @@ def test_a_listing_orders_every_node_s_records_by_time_and_keeps_what_happened_m
     assert "mine" in led and "x" in led
 
 
+def test_a_listing_keeps_this_node_s_order_where_file_times_tie() -> None:
+    # A store writes r9, r8, ... r0 within one tick of the file system's clock: the listing shows
+    # them with one mtime, and sorting by name would evict the newest first.
+    led = Ledger(capacity=300, touch_after_s=10, rescan_fraction=0.5)
+    names = [f"r{i}" for i in range(9, -1, -1)]
+    for i, p in enumerate(names):
+        led.wrote(p, 100, now=50.0 + i / 1000)
+    led.victims()  # the capacity held as they were written
+    assert len(led) == 3 and all(p in led for p in names[-3:])
+    led.wrote("s", 100, now=60.0)
+    led.rebuild([(50.0, p, 100) for p in names[-3:]], listed_at=55.0)
+    assert led.victims() == [names[-3]], "the least recently written goes first"
+
+
 def test_two_ledgers_pick_the_same_victims() -> None:
     listing = [(float(i % 7), f"r{i:03d}", 10 + i % 3) for i in range(50)]
     a, b = (Ledger(capacity=200, touch_after_s=1, rescan_fraction=0.1) for _ in range(2))

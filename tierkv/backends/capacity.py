@@ -128,10 +128,15 @@ class Ledger:
         longer has (another process removed them).
         """
         during = [(p, s, t) for p, s in self._order.items() if (t := self._mtime.get(p, 0.0)) >= listed_at]
+        # A file system's times are coarse (records written in one tick tie): for the records it
+        # knows, this node's own clock and order say which was used last.
+        known, rank = self._mtime, {p: i for i, p in enumerate(self._order)}
+        listed = sorted((max(t, known.get(path, t)), rank.get(path, -1), path, size)
+                        for t, path, size in records)
         order: OrderedDict[str, int] = OrderedDict()
         mtime: dict[str, float] = {}
         n = 0
-        for t, path, size in sorted(records):
+        for t, _, path, size in listed:
             if path in self._deleted:
                 continue
             order[path] = size
