@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import signal
+import subprocess
 from typing import Any
 
 import torch
@@ -48,3 +50,17 @@ def config(layout: Layout, *lower: dict[str, Any], slots: dict[int, int] | None 
 def group_stats(store: Any, group: int) -> Any:
     """The ``stats().groups`` entry of one group."""
     return next(g for g in store.stats().groups if g.group == group)
+
+
+def ctrl_c(proc: subprocess.Popen[str], timeout: float = 60) -> str:
+    """Send ``proc`` a Ctrl-C and wait for it to end; its stderr. Fails the test when it does not end."""
+    import pytest
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"{proc.args!r} did not end on Ctrl-C")
+    return err

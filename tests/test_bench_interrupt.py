@@ -3,13 +3,13 @@ exit status 130, no traceback."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ctrl_c
 
 BENCH = Path(__file__).parent.parent / "bench"
 
@@ -24,13 +24,7 @@ def test_ctrl_c_ends_a_benchmark_with_one_line(script: str, after_s: float) -> N
     proc = subprocess.Popen([sys.executable, str(BENCH / script), *SCRIPTS[script]],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)
-    proc.send_signal(signal.SIGINT)
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail(f"{script} did not end on Ctrl-C")
+    err = ctrl_c(proc)
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == f"{script[:-3]}: interrupted"
     assert "Traceback" not in err

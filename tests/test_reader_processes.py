@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import ctrl_c
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
 from tierkv.backends.base import TierContext
@@ -376,13 +377,7 @@ def test_ctrl_c_ends_the_busy_restore_benchmark_and_its_helpers(tmp_path: Path) 
         time.sleep(0.1)
     assert marked(mark, "tierkv.backends.readproc"), "no helper ever started"
     time.sleep(1.0)  # well into the restore rounds
-    proc.send_signal(signal.SIGINT)
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail("the benchmark did not end on Ctrl-C")
+    err = ctrl_c(proc)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     deadline = time.monotonic() + 10
