@@ -318,6 +318,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     results = []
     urls = args.url.split(",")
+    if not urls or set(urls) - {"file", "s3"}:
+        p.error(f"--url: file, s3 or file,s3 (got {args.url!r})")
+    if not all(x.isdigit() and int(x) > 0 for x in args.block_kib.split(",")):
+        p.error(f"--block-kib: positive KiB, comma-separated (got {args.block_kib!r})")
+    if set(args.cache.split(",")) - {"warm", "cold"}:
+        p.error(f"--cache: warm, cold or warm,cold (got {args.cache!r})")
+    if args.dir is not None and not os.access(args.dir, os.W_OK | os.X_OK):
+        p.error(f"--dir: {args.dir} is not a directory this process can write to")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tierkv-restore-") as tmp:
         if "s3" in urls:
             from tierkv.testing.seaweed import SeaweedServer

@@ -1,5 +1,5 @@
 """Ctrl-C on a benchmark script, while it imports torch or while it measures: one line on stderr,
-exit status 130, no traceback."""
+exit status 130; a bad flag: one line, exit status 2. Never a traceback."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def test_ctrl_c_ends_a_benchmark_with_one_line(script: str, after_s: float) -> N
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == f"{script[:-3]}: interrupted"
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--url", "nosuch"], ["--dir", "/proc/nope"], ["--block-kib", "x"],
+                                   ["--cache", "hot"]])
+def test_a_bad_flag_of_the_restore_benchmark_is_one_line(flags: list[str]) -> None:
+    done = subprocess.run([sys.executable, str(BENCH / "restore.py"), *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"restore.py: error: {flags[0]}")
+    assert "Traceback" not in done.stderr
