@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import subprocess
+import time
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from tierkv.backends.base import TierContext
 from tierkv.backends.fsio import _HOST, TEMP_MARK
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.errors import BackendError
+from tierkv.gateway import TierGateway
 from tierkv.keys import make_key
 from tierkv.record import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
 from tierkv.testing import conformance_layout
@@ -668,6 +670,34 @@ async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() 
         assert await driver.map(lambda i: i * 2, 5) == [0, 2, 4, 6, 8]  # the driver still works
     finally:
         await driver.close()
+
+
+async def test_a_listing_tells_the_gateway_what_is_present_and_a_removal_unsays_it(tmp_path: Path) -> None:
+    """After the start-up listing a lookup of a listed record is answered present without a probe
+    (an engine then promotes at its first lookup instead of asking again a step later); a record
+    removed afterwards is forgotten, so the next lookup looks for it again."""
+    url = f"file://{tmp_path}"
+    ks = keys(5, salt=23)
+    writer = make_tier(url)
+    await writer.open()
+    await writer.put(FULL, ks[:4], rand_blocks(4, BB))
+    await writer.close()
+    tier = make_tier(url)
+    gw = TierGateway(1, tier)
+    seen: list[str] = []
+    tier.add_listener(lambda event, _: seen.append(event))
+    await tier.open()
+    try:
+        now = time.monotonic()
+        assert gw.presence_many(FULL, ks, now) == [None] * 5  # nothing known before the listing
+        await tier.scan()
+        assert "listed" in seen
+        assert gw.presence_many(FULL, ks, time.monotonic()) == [True] * 4 + [None]
+        await tier.delete(FULL, ks[:1])
+        assert gw.presence_many(FULL, ks[:2], time.monotonic()) == [None, True]
+        assert gw.stats.probes == 0
+    finally:
+        await tier.close()
 
 
 async def test_probes_of_records_it_knows_need_no_storage_round_trip(tmp_path: Path) -> None:

@@ -398,3 +398,31 @@ def marked(mark: str, command: str) -> list[int]:
         if mark.encode() in environ and command.encode() in cmdline:
             found.append(int(pid))
     return found
+
+
+def test_a_mapping_another_library_made_is_adopted_even_once_its_file_is_unlinked(tmp_path: Path) -> None:
+    """vLLM maps its CPU offload region from a file in /dev/shm that it may unlink: the region is
+    found and reopened through the descriptor vLLM keeps; private memory is not a region; a
+    released region is forgotten and its descriptor closed."""
+    import mmap
+
+    fd = os.open(tmp_path / "region", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 1 << 20)
+    mapped = mmap.mmap(fd, 1 << 20, flags=mmap.MAP_SHARED)
+    os.unlink(tmp_path / "region")
+    rows = torch.frombuffer(memoryview(mapped), dtype=torch.uint8)
+    try:
+        region = sharedmem.adopt(rows.data_ptr() + 4096, 8192)
+        assert region is not None and region.base == rows.data_ptr() and region.size == 1 << 20
+        assert sharedmem.region_of(rows.data_ptr() + 4096, 100) == (region, 4096)
+        os.pwrite(region.fd, b"seen", 8)  # the descriptor is the same file: what helpers map
+        assert bytes(rows[8:12].numpy()) == b"seen"
+        assert sharedmem.adopt(torch.zeros(1 << 16, dtype=torch.uint8).data_ptr(), 100) is None
+        sharedmem.release(region)
+        assert sharedmem.region_of(rows.data_ptr() + 4096, 100) is None
+        with pytest.raises(OSError):
+            os.fstat(region.fd)
+    finally:
+        del rows
+        mapped.close()
+        os.close(fd)

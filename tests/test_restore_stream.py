@@ -118,8 +118,8 @@ async def test_one_by_one_lookups_of_a_request_load_as_one_batch(tmp_path: Path)
         await writer.put(0, hs, blocks)
         await writer.flush()
     keys = [h + (0).to_bytes(4, "big") for h in hs]
-    async with TieredStore(cfg(tier)) as store:
-        # a new store knows nothing: the first lookups probe the tier, and promote nothing yet
+    async with TieredStore(cfg({**tier, "scan_on_open": False})) as store:
+        # a new store knows nothing (no listing): the first lookups probe the tier, promote nothing
         assert {store.engine.key_state(0, k, "r").value for k in keys} == {"probing"}
         with anyio.fail_after(30):
             while store.stats().tiers[1].probes < n:
@@ -164,3 +164,34 @@ async def test_pool_memory_is_given_back_at_close_not_at_garbage_collection() ->
         assert store.stats().tiers[0].kind == "cpu"  # a closed store still answers stats()
     finally:
         gc.enable()
+
+
+async def test_a_new_store_promotes_listed_blocks_at_the_first_lookup(tmp_path: Path) -> None:
+    """A new engine process restoring a prefix its tier's start-up listing found: the first lookup
+    of each block starts its promotion (no probe, no step spent answering RETRY), every block in
+    one read call, and the events a router subscribes to carry no listing."""
+    n = 32
+    hs, blocks = hashes(n, doc=4), data(n, seed=4)
+    tier = {"kind": "fsspec", "url": f"file://{tmp_path}"}
+    async with TieredStore(cfg(tier)) as writer:
+        await writer.put(0, hs, blocks)
+        await writer.flush()
+    keys = [h + (0).to_bytes(4, "big") for h in hs]
+    store = TieredStore(cfg(tier))
+    events: list[str] = []
+    store.subscribe_tier_events(lambda _, event, __: events.append(event))
+    async with store:
+        with anyio.fail_after(30):
+            while store.stats().tiers[1].backend.get("scanned", 0) < n:
+                await anyio.sleep(0.005)
+        states = {store.engine.key_state(0, k, "r").value for k in keys}
+        assert states == {"promoting"}
+        with anyio.fail_after(30):
+            while store.engine.ready_slots(0, keys).count(None):
+                await anyio.sleep(0.005)
+        st = store.stats().tiers[1]
+        assert st.probes == 0 and st.load_seconds.count == 1
+        out = torch.zeros_like(blocks)
+        await store.get(0, hs, out, request_id="r")
+        assert torch.equal(out, blocks)
+        assert "listed" not in events

@@ -352,7 +352,8 @@ def test_restart_serves_from_disk(make: Callable[..., Setup]) -> None:
     a.store(data)
     a.shutdown()
 
-    b = make(codec="zstd-shuffle")  # a new process's tier on the same URL
+    # a new process's tier on the same URL (no start-up listing: it knows nothing of them)
+    b = make(codec="zstd-shuffle", scan_on_open=False)
     assert b.tier.fingerprint == a.tier.fingerprint
     final, seen, got = b.restore(keys)
     assert all(r is HIT for r in final.values())
@@ -364,6 +365,35 @@ def test_restart_serves_from_disk(make: Callable[..., Setup]) -> None:
     final, _, got = c.restore(keys)
     assert all(r is HIT for r in final.values())
     np.testing.assert_array_equal(got[keys[0]], data[keys[0]])
+
+
+def test_a_new_process_reads_warm_records_into_vllm_s_primary_with_reader_processes(
+        make: Callable[..., Setup], tmp_path: Path) -> None:
+    """vLLM's primary is a shared mapping in /dev/shm: a restarted tier's reader processes (own
+    GIL, beside the scheduler's loop) read warm records straight into its rows, the bytes exact;
+    its start-up listing made every key a HIT_PENDING at the first lookup (no probe)."""
+    a = make()
+    keys = make_keys(6, seed=5)
+    data = dict(zip(keys, kv_rows(6, a.row, seed=5), strict=True))
+    a.store(data)
+    a.shutdown()
+    for f in records(tmp_path / "kv"):
+        f.read_bytes()  # direct writes bypass the page cache: warm it, as a recent restore would
+    b = make()
+    deadline = time.monotonic() + 20
+    readers = b.tier._tier.driver._readers
+    assert readers is not None, "the tier started no reader processes for vLLM's primary"
+    while "scanned" not in b.tier._tier.counters or len(readers.ready()) < len(readers.procs):
+        assert time.monotonic() < deadline, "the listing never ended, or the helpers never started"
+        time.sleep(0.01)
+        b.tier._tier.used_bytes()  # refreshes the counters
+    final, seen, got = b.restore(keys)
+    assert all(r is HIT for r in final.values())
+    assert all(seen[k][0] is HIT_PENDING for k in keys), "listed keys need no probe"
+    for k in keys:
+        np.testing.assert_array_equal(got[k], data[k])
+    b.tier._tier.used_bytes()  # refreshes the driver's counters
+    assert b.tier._tier.counters.get("reader_reads", 0) == len(keys)
 
 
 def test_unknown_keys_are_a_miss_after_the_probe(make: Callable[..., Setup]) -> None:

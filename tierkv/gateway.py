@@ -40,6 +40,8 @@ log = logging.getLogger("tierkv")
 MIB = 1 << 20
 EMA_ALPHA = 0.2
 PRESENCE_CACHE_ENTRIES = 1 << 20
+#: keys a tier event updates per hold of the lock
+LISTED_SLICE = 4096
 #: runs of consecutive rows at least this long move in place; shorter ones are gathered
 DIRECT_RUN_BYTES = 1 << 20
 #: a load is cut into batches of about this many bytes, so blocks land (and become usable) as
@@ -176,6 +178,7 @@ class TierGateway:
         self.probing: set[bytes] = set()
         #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
         self.version = 0
+        tier.add_listener(self._on_tier_event)
 
     # ---- presence -------------------------------------------------------------------------------
     @property
@@ -254,6 +257,20 @@ class TierGateway:
                 cache[k] = found if f else absent
         while len(cache) > PRESENCE_CACHE_ENTRIES:
             cache.popitem(last=False)
+
+    def _on_tier_event(self, event: str, keys: list[bytes]) -> None:
+        """A listing's keys are present (no probe before their first read); removed keys are
+        forgotten (the next lookup probes again). In slices: lookups wait for none of it long."""
+        if event not in ("listed", "removed"):
+            return
+        for i in range(0, len(keys), LISTED_SLICE):
+            part = keys[i:i + LISTED_SLICE]
+            with self._lock:
+                if event == "listed":
+                    self.note_many(part, [True] * len(part), time.monotonic())
+                else:
+                    for k in part:
+                        self.forget(k)
 
     def forget(self, key: bytes) -> None:
         """Drop a cached presence answer."""

@@ -389,8 +389,12 @@ class TieredStore:
         lower tier: written by a cascade; evicted for capacity, found corrupt, or gone from a listing
         (another process evicted them, ``tierkv verify --repair`` removed them). Primary pool
         evictions are :meth:`EngineSlots.subscribe_evictions`'s."""
+        def relay(tier: int, event: str, keys: list[bytes]) -> None:
+            if event != "listed":  # what a listing saw is for the gateways' presence, not news
+                listener(tier, event, keys)
+
         for i, t in enumerate(self._tiers[1:], start=1):
-            t.add_listener(functools.partial(listener, i))
+            t.add_listener(functools.partial(relay, i))
 
     @locked
     def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:

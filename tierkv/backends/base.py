@@ -102,7 +102,8 @@ class Tier(ABC):
 
     def add_listener(self, listener: KeyListener) -> None:
         """Call ``listener(event, keys)`` with ``"stored"`` / ``"removed"`` and the keys whenever
-        blocks appear in or leave this tier (events for routers that place requests by cache)."""
+        blocks appear in or leave this tier (events for routers that place requests by cache), and
+        ``"listed"`` with the keys a listing of the tier found (held then; maybe not for long)."""
         self._listeners.append(listener)
 
     def notify(self, event: str, keys: list[bytes]) -> None:

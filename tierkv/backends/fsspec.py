@@ -41,6 +41,7 @@ from tierkv.backends.fsio import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
     Driver,
+    Entry,
     RecordSource,
     SpecialFile,
     temp_owner_alive,
@@ -77,6 +78,8 @@ log = logging.getLogger("tierkv.fsspec")
 
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
+#: a listing tells the stores above the tier of at most this many of its newest records
+LISTED_KEYS_MAX = 1 << 18
 #: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
 #: not fatal (records already there stay readable)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -344,14 +347,22 @@ class FsspecTier(Tier):
             records = listing.records.get(self.context.fingerprint, [])
             found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
                                                 if is_record_name(rel.rpartition("/")[2])), started, written)
-            self.count("scanned", found)
             self.notify("removed", self._keys_of(gone))  # evicted by another process, or repaired
+            # what the listing saw needs no probe before its first read (the newest records first)
+            self.notify("listed", await anyio.to_thread.run_sync(self._listed_keys, records))
+            self.count("scanned", found)
             await self._evict()
         except Exception as exc:
             self._warn("scanning the namespace", exc)
             self.count("scan_errors")
         finally:
             self._scan_done.set()
+
+    @staticmethod
+    def _listed_keys(records: list[tuple[Entry, str]]) -> list[bytes]:
+        """The keys of the newest :data:`LISTED_KEYS_MAX` listed records (digest names skipped)."""
+        newest = sorted(records, key=lambda r: r[0].mtime, reverse=True)[:LISTED_KEYS_MAX]
+        return FsspecTier._keys_of([e.path for e, _ in newest])
 
     @staticmethod
     def _keys_of(paths: list[str]) -> list[bytes]:

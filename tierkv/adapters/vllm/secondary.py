@@ -65,7 +65,10 @@ Threads
     driven through a :class:`~tierkv.gateway.TierGateway` like every tierkv lower tier. Scheduler
     calls only read in-memory state and hand work to that loop; the gateway updates presence and
     counters under a lock the scheduler's calls share, and finished jobs are handed back as
-    ``JobResult`` s under the same lock.
+    ``JobResult`` s under the same lock. vLLM's primary is a shared file mapping (in /dev/shm):
+    the tier registers it (:func:`tierkv.sharedmem.adopt`), so its reader processes, each with a
+    GIL of its own, read warm records straight into the primary's rows beside the scheduler's
+    loop (``read_processes``, local paths; 0 turns them off).
 
 Credentials in ``storage_options`` or the URL are never logged (``describe()`` redacts the URL).
 """
@@ -95,6 +98,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from tierkv import sharedmem
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
@@ -249,6 +253,9 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         self._rows: torch.Tensor | None = torch.from_numpy(
             np.frombuffer(view, dtype=np.uint8).reshape(-1, block))
         self._num_rows = self._rows.shape[0]
+        #: vLLM's primary is a shared file mapping: registered, reader processes read into it
+        self._shared = (sharedmem.adopt(self._rows.data_ptr(), self._rows.numel())
+                        if self.settings.read_processes != 0 else None)
         events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None),
                                  "enable_kv_cache_events", False))
         if self.settings.enable_kv_events and not events_on:
@@ -279,7 +286,7 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
             self._loop.call(self._tier.open)
         except BaseException:
             self._loop.stop()
-            self._rows = None
+            self._forget_rows()
             raise
         self._background = self._loop.submit(self._tier.background)
         log.info("tierkv secondary tier %r: %s, namespace %s (fingerprint %s), %d-byte records",
@@ -429,8 +436,14 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
                 log.warning("closing %s failed: %s", self._tier.describe(), str(exc)[:300])
         finally:
             self._loop.stop()
-            # the primary releases its memoryview after this: hold no buffer export of it
-            self._rows = None
+            self._forget_rows()
+
+    def _forget_rows(self) -> None:
+        """Drop every hold on the primary (vLLM releases its memoryview and unmaps it next)."""
+        if self._shared is not None:
+            sharedmem.release(self._shared)
+            self._shared = None
+        self._rows = None
 
     def describe(self) -> str:
         """The tier's URL without credentials, and its namespace fingerprint."""
