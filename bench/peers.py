@@ -73,7 +73,8 @@ Figures: MB/s = bytes of blocks / wall time of the phase (1 MB = 1e6 bytes), the
 ratios (above 1: tierkv is faster). ``--json`` prints one JSON object (the table goes to stderr):
 ``results`` rows ``{system, block_bytes, direction, cache, mb_s, ratio_vs_tierkv, status, ...}``,
 ``cache`` ``warm``/``cold`` for loads and null for stores, ``ratio_vs_tierkv`` null for tierkv
-itself (and where a system did not run).
+itself (and where a system did not run); tierkv's warm rows add ``reader_reads``, per round: the
+records its reader processes read (the rest were read in its threads).
 
 Guarantees (once per system, 1 MiB blocks; ``--no-guarantees`` skips them):
 ``wrong bytes``: 8 blocks stored, one byte in the middle of one block's file flipped, that block
@@ -285,6 +286,8 @@ class PhaseResult:
     disk_bytes: int = 0
     bad: int = 0
     missing: int = 0
+    #: records tierkv's reader processes read in the warm load (None: not tierkv)
+    warm_reader_reads: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def verify(self, cache: str, blocks: Blocks, dest: np.ndarray, loaded: np.ndarray) -> None:
@@ -397,6 +400,10 @@ class ManagerSystem(System):
 
     def file_of(self, mgr: Any, key: bytes) -> Path:
         raise NotImplementedError
+
+    def reader_reads(self, mgr: Any) -> int | None:
+        """Records read by reader processes so far (tierkv's tiers only)."""
+        return None
 
     # -- building ---------------------------------------------------------------------------------
     def build(self, root: str, rows: int, block_bytes: int, capacity: int | None = None) -> Any:
@@ -558,9 +565,13 @@ class ManagerSystem(System):
                     res.cold_dropped = drop_caches() if self.cfg.drop else False
                 else:
                     warm_tree(root)
+                before = self.reader_reads(mgr)
                 dt = self.load(mgr, blocks, keys, blocks.calls, dest, loaded)
                 setattr(res, f"{cache}_s", dt)
                 res.verify(cache, blocks, dest, loaded)
+                after = self.reader_reads(mgr)
+                if cache == "warm" and before is not None and after is not None:
+                    res.warm_reader_reads = after - before
         finally:
             mgr.shutdown()
         return res
@@ -670,6 +681,11 @@ class TierkvSystem(ManagerSystem):
     def file_of(self, mgr: Any, key: bytes) -> Path:
         (tier,) = mgr.secondary_tiers
         return Path(tier._tier.path(key))
+
+    def reader_reads(self, mgr: Any) -> int | None:
+        (tier,) = mgr.secondary_tiers
+        tier._tier.used_bytes()  # refreshes the driver's counters
+        return int(tier._tier.counters.get("reader_reads", 0))
 
 
 class TierkvZstdSystem(TierkvSystem):
@@ -889,6 +905,8 @@ def build_results(names: list[str], sizes: list[int], samples: dict[tuple[str, i
                         row["files"] = s[-1].files
                     if cache == "cold":
                         row["page_cache_dropped"] = all(r.cold_dropped for r in s)
+                    if cache == "warm" and s[0].warm_reader_reads is not None:
+                        row["reader_reads"] = [r.warm_reader_reads for r in s]  # per round
                 rows.append(row)
     return rows
 

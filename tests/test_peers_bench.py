@@ -95,6 +95,10 @@ def test_results_shape(report: dict[str, Any]) -> None:
             assert row["ratio_vs_tierkv"] == pytest.approx(tk / row["mb_s"], rel=1e-6)
         if direction == "store":
             assert row["disk_bytes"] > 0 and row["raw_bytes"] > 0
+        if name.startswith("tierkv") and cache == "warm":  # how many records helpers read, per round
+            assert len(row["reader_reads"]) == 1 and 0 <= row["reader_reads"][0]
+        else:
+            assert "reader_reads" not in row
     zstd = by[("tierkv-zstd", 1 << 20, "store", None)]
     plain = by[("tierkv", 1 << 20, "store", None)]
     assert zstd["disk_bytes"] < plain["disk_bytes"]  # KV-like bf16 compresses
