@@ -21,6 +21,7 @@ import torch
 from helpers import ctrl_c
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
+from tierkv.backends import readproc
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.readproc import ReaderProcesses
@@ -105,6 +106,47 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
     finally:
         await t.close()
     assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
+
+
+def _mapped_kib(pid: int, inode: int) -> int:
+    """Resident KiB of process ``pid``'s mappings of the file with ``inode``."""
+    total, ours = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                ours = int(head[4]) == inode
+            elif ours and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.parametrize("populate_max", [1 << 30, 0])
+async def test_helpers_map_small_pools_populated_and_large_ones_lazily(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, populate_max: int) -> None:
+    """A helper fills its page tables for a pool up to ``POPULATE_MAX_BYTES`` at start (no page
+    faults in its first reads), and maps a larger one (a host's whole CPU region) lazily; either
+    way it reads the stored bytes."""
+    monkeypatch.setattr(readproc, "POPULATE_MAX_BYTES", populate_max)
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    inode = os.stat(tmp_path / "pool").st_ino
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        (helper,) = readers_of(t).procs
+        before = _mapped_kib(helper.proc.pid, inode)
+        if populate_max:
+            assert before >= N * BB // 1024
+        else:
+            assert before < N * BB // 1024 // 2
+        assert await t.get(0, keys(), pool) == [True] * N
+        assert torch.equal(pool, data)
+        assert backend(t).get("reader_reads") == N
+        assert _mapped_kib(helper.proc.pid, inode) >= N * BB // 1024
+    finally:
+        await t.close()
 
 
 async def test_a_pool_mapped_after_the_helpers_started_is_read_by_new_helpers(tmp_path: Path) -> None:

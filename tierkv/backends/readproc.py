@@ -33,6 +33,10 @@ __all__ = ["Item", "ReaderProcess", "ReaderProcesses", "supported"]
 #: one record for a helper: (region id, offset in the region, row length, path, expected header)
 Item = tuple[int, int, int, str, bytes]
 _STOP_S = 2.0
+#: a helper maps regions up to this size populated (page tables filled at start, so its first
+#: reads take no page faults); larger ones (a host's whole CPU offload region) it maps lazily:
+#: page tables for 100 GiB would cost each helper 200 MiB and seconds of start-up
+POPULATE_MAX_BYTES = 8 << 30
 
 
 def supported() -> bool:
@@ -46,7 +50,7 @@ class ReaderProcess:
     def __init__(self, regions: list[SharedRegion]) -> None:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        specs = [f"{r.id}:{r.fd}:{r.size}" for r in regions]
+        specs = [f"{r.id}:{r.fd}:{r.size}:{int(r.size <= POPULATE_MAX_BYTES)}" for r in regions]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
@@ -186,8 +190,8 @@ def _serve(argv: list[str]) -> int:
     replies = Connection(int(argv[1]), readable=False)
     views: dict[int, memoryview] = {}
     for spec in argv[2:]:
-        region, fd, size = (int(x) for x in spec.split(":"))
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        region, fd, size, populate = (int(x) for x in spec.split(":"))
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         views[region] = memoryview(mmap.mmap(fd, size, flags=flags))
         os.close(fd)
 
