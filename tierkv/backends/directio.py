@@ -2,8 +2,9 @@
 
 A record's pieces are copied (``numpy.copyto``, which lets other threads run meanwhile) into a
 page-aligned per-thread scratch buffer and written from it in aligned chunks of at most
-:data:`CHUNK_BYTES`; the last chunk is padded to the alignment and the file truncated back to its
-length before it is published. Records keep their format: any reader reads the same bytes.
+:data:`CHUNK_BYTES`; the bytes after the last whole aligned block are written buffered, with
+``O_DIRECT`` turned off on the file first (padding and truncating back cost more). Records keep
+their format: any reader reads the same bytes.
 
 Why: a buffered write of a new file must first get page-cache pages for it, and the kernel must
 later write them back; both cost more than the copy into the device's buffer (docs/design.md has
