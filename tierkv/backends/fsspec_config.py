@@ -1,0 +1,91 @@
+"""Settings of the ``fsspec`` tier (:class:`FsspecTierConfig`), checked when a store opens."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
+
+from tierkv.backends.base import TierConfig
+from tierkv.backends.fsopen import url_problem
+from tierkv.backends.redact import redact_url
+
+__all__ = ["FsspecTierConfig"]
+
+
+class FsspecTierConfig(TierConfig):
+    """Settings of the ``fsspec`` tier."""
+
+    kind: str = "fsspec"
+    url: str
+    #: passed to the fsspec file system (credentials, endpoint_url, ...); never logged or shown
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    codec: Literal["none", "zstd", "zstd-shuffle"] = "none"
+    elem_size: int = 2
+    zstd_level: int = 1
+    fsync: bool = False
+    #: local paths: worker threads for page-cache work (default: the CPU count, 2 to 8); other
+    #: file systems: concurrent requests (default 4)
+    io_threads: PositiveInt | None = None
+    #: local paths: reads that must wait for the device (the page cache does not hold the record)
+    #: run on this many threads, so enough are in flight to keep a disk or NFS server busy
+    io_depth: PositiveInt = 16
+    #: local paths: write records of 64 KiB and more with ``O_DIRECT`` (past the page cache, as
+    #: vLLM's file tier does): ``"auto"`` where the file system supports it (found out at open),
+    #: True to require it, False for buffered writes (new records then stay in the page cache,
+    #: and reads of them soon after are memory copies). Reads are buffered either way.
+    direct_io: Literal["auto"] | bool = "auto"
+    #: local paths: reads into a pool in shared memory (the vLLM adapter's, a ``cpu`` tier with
+    #: ``shm_path``) are done by this many helper processes, each with its own GIL, so a busy
+    #: engine loop in this process does not slow a restore down; ``"auto"``: the CPU count, 1 to
+    #: 4; 0: threads only. Linux only (elsewhere: threads).
+    read_processes: Literal["auto"] | NonNegativeInt = "auto"
+    #: temporary files older than this (of live or remote writers) are removed at start
+    stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    #: rebuild capacity accounting in the background after start
+    scan_on_open: bool = True
+    #: with ``capacity_bytes``: list the namespace again this often (and whenever this process has
+    #: written ``rescan_fraction`` of the capacity since the last listing), so that processes
+    #: sharing the tier bound it together; 0: only at start
+    rescan_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    rescan_fraction: float = Field(default=0.05, gt=0, le=1, allow_inf_nan=False)
+    #: a record read is refreshed on storage (its time, the eviction order) at most this often
+    touch_after_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    #: remote file systems (S3...): each request's deadline, and how often transient failures (503
+    #: SlowDown, a 500, a dropped connection, a timeout) are tried again, with jittered backoff,
+    #: within ``retry_budget_s``; then the request counts as failed
+    request_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    retry_attempts: PositiveInt = 4
+    retry_budget_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("url")
+    @classmethod
+    def _has_location(cls, v: str) -> str:
+        problem = url_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("elem_size")
+    @classmethod
+    def _elem_size(cls, v: int) -> int:
+        if not 1 <= v <= 255:
+            raise ValueError(f"must be 1..255 (bytes per value: 2 for bf16), got {v}")
+        return v
+
+    @field_validator("zstd_level")
+    @classmethod
+    def _zstd_level(cls, v: int) -> int:
+        import zstandard
+
+        if not -(1 << 17) <= v <= zstandard.MAX_COMPRESSION_LEVEL:
+            raise ValueError(f"must be a zstd level, -131072..{zstandard.MAX_COMPRESSION_LEVEL}, got {v}")
+        return v
+
+    def __repr_args__(self) -> Any:
+        """Fields for ``repr``/``str``: the URL without credentials, never the storage options."""
+        for name, value in super().__repr_args__():
+            if name == "url" and isinstance(value, str):
+                value = redact_url(value)
+            if name != "storage_options":
+                yield name, value
