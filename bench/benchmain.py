@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["run"]
+__all__ = ["positive", "run"]
 
 NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
 
@@ -26,6 +26,19 @@ def _while_importing(signum: int, frame: object) -> None:
 
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _while_importing)
+
+
+def positive(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1 (counts, sizes, rounds)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {value}")
+    return value
 
 
 def run(main: Callable[[], int | None]) -> NoReturn:

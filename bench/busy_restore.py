@@ -91,9 +91,9 @@ async def restore_once(cfg: dict[str, Any], hashes: list[bytes], data: torch.Ten
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--blocks", type=int, default=128)
-    p.add_argument("--block-kib", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--blocks", type=benchmain.positive, default=128)
+    p.add_argument("--block-kib", type=benchmain.positive, default=1024)
+    p.add_argument("--repeats", type=benchmain.positive, default=7)
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     if args.blocks < 1 or args.block_kib < 1 or args.repeats < 1:

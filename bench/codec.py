@@ -89,11 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--blocks", type=int, default=64, help="blocks per round (default 64)")
+    parser.add_argument("--blocks", type=benchmain.positive, default=64, help="blocks per round (default 64)")
     parser.add_argument(
-        "--block-bytes", type=int, default=256 << 10, help="bytes per block (default 256 KiB)"
+        "--block-bytes", type=benchmain.positive, default=256 << 10, help="bytes per block (default 256 KiB)"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; medians are reported (default 5)")
+    parser.add_argument("--repeats", type=benchmain.positive, default=5,
+                        help="rounds; medians are reported (default 5)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="value type (default bf16)")
     parser.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
     parser.add_argument("--rho", type=float, default=0.9, help="token-to-token correlation (default 0.9)")
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.block_bytes < 1 or args.repeats < 1:
         parser.error("--blocks, --block-bytes and --repeats must be positive")
+    if not -(1 << 17) <= args.level <= zstandard.MAX_COMPRESSION_LEVEL:
+        parser.error(f"--level: a zstd level, -131072..{zstandard.MAX_COMPRESSION_LEVEL} (got {args.level})")
 
     dtype = DTYPES[args.dtype]
     elem_size = torch.empty((), dtype=dtype).element_size()

@@ -52,7 +52,7 @@ async def main(blocks: int, as_json: bool) -> None:
 def cli() -> None:
     """Parse the command line and run the benchmark."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--blocks", type=benchmain.positive, default=8)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     anyio.run(main, a.blocks, a.json)

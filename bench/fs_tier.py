@@ -696,16 +696,20 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the sections, print the tables."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=2000, help="file:// and store blocks (default 2000)")
-    ap.add_argument("--block-kib", type=int, default=256, help="KiB per block (default 256)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up (default 5)")
+    ap.add_argument("--blocks", type=benchmain.positive, default=2000,
+                    help="file:// and store blocks (default 2000)")
+    ap.add_argument("--block-kib", type=benchmain.positive, default=256, help="KiB per block (default 256)")
+    ap.add_argument("--repeats", type=benchmain.positive, default=5,
+                    help="timed rounds after one warm-up (default 5)")
     ap.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="run the S3 section")
-    ap.add_argument("--s3-blocks", type=int, default=200, help="blocks for S3 (default 200; moto is slow)")
-    ap.add_argument("--codec-blocks", type=int, default=500, help="blocks for the codec section (500)")
-    ap.add_argument("--batch", type=int, default=64, help="keys per tier call (default 64)")
-    ap.add_argument("--inflight", type=int, default=16,
+    ap.add_argument("--s3-blocks", type=benchmain.positive, default=200,
+                    help="blocks for S3 (default 200; moto is slow)")
+    ap.add_argument("--codec-blocks", type=benchmain.positive, default=500,
+                    help="blocks for the codec section (500)")
+    ap.add_argument("--batch", type=benchmain.positive, default=64, help="keys per tier call (default 64)")
+    ap.add_argument("--inflight", type=benchmain.positive, default=16,
                     help="tier calls in flight for 'conc' rows and the store (default 16, the store's)")
-    ap.add_argument("--io-threads", type=int, default=None,
+    ap.add_argument("--io-threads", type=benchmain.positive, default=None,
                     help="the tier's io_threads (default: the tier's own, CPU count 2-8 local, 4 on S3)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--moto-inproc", action="store_true", help="run moto in this process (shares the GIL)")
@@ -720,6 +724,8 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.blocks, args.block_kib, args.repeats, args.s3_blocks, args.codec_blocks, args.batch,
            args.inflight, args.io_threads or 1) < 1:
         ap.error("counts must be positive")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir: no such directory: {args.dir}")
     print(f"tierkv fs_tier bench: {os.cpu_count()} CPUs {platform.machine()}, Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}; medians of "
           f"{args.repeats} rounds (+1 warm-up); ratios > 1 are faster than the baseline")

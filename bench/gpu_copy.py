@@ -41,10 +41,10 @@ def timed(fn: object, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--page-kib", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--layers", type=benchmain.positive, default=8)
+    p.add_argument("--page-kib", type=benchmain.positive, default=64)
+    p.add_argument("--blocks", type=benchmain.positive, default=256)
+    p.add_argument("--repeats", type=benchmain.positive, default=7)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

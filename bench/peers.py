@@ -1007,13 +1007,31 @@ def main() -> int:
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     mb_per_size = args.mb_per_size or (8.0 if args.quick else 1024.0)
-    lo, hi = (int(x) for x in (args.calls or ("2-8" if args.quick else "16-64")).split("-"))
+    calls = args.calls or ("2-8" if args.quick else "16-64")
+    try:
+        lo, hi = (int(x) for x in calls.split("-"))
+    except ValueError:
+        ap.error(f"--calls: LO-HI, two whole numbers (got {calls!r})")
+    if not 1 <= lo <= hi:
+        ap.error(f"--calls: 1 <= LO <= HI (got {calls!r})")
     window = int((args.window_mb or (32.0 if args.quick else 512.0)) * MB)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes: block sizes such as 256K,1M,2M (got {args.sizes!r})")
+    if any(s < 4096 or s % 4 for s in sizes):
+        ap.error(f"--sizes: every block size at least 4K and a multiple of 4 bytes (got {args.sizes!r})")
+    for name, value in (("--repeats", args.repeats), ("--mb-per-size", args.mb_per_size),
+                        ("--window-mb", args.window_mb), ("--inflight", args.inflight),
+                        ("--step-ms", args.step_ms), ("--timeout", args.timeout)):
+        if value is not None and value <= 0:
+            ap.error(f"{name} must be positive (got {value})")
     names = [s for s in args.systems.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or TIERKV not in names:
         ap.error(f"--systems: unknown {unknown}" if unknown else "--systems must include tierkv")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir: no such directory: {args.dir}")
     if args.threads < 2:
         ap.error("--threads must be at least 2 (vLLM's fs tier gets ceil(T/2) + floor(T/2))")
 

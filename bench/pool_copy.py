@@ -74,8 +74,8 @@ def pool_times(bb: int, n: int, repeats: int) -> tuple[float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mib", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--total-mib", type=benchmain.positive, default=128)
+    ap.add_argument("--repeats", type=benchmain.positive, default=7)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.total_mib} MiB per batch,"

@@ -305,12 +305,12 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--block-kib", default="256,1024,2048")
-    p.add_argument("--total-mib", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--total-mib", type=benchmain.positive, default=1024)
+    p.add_argument("--repeats", type=benchmain.positive, default=3)
     p.add_argument("--cache", default="warm,cold")
     p.add_argument("--url", default="file", help="file, s3 or file,s3")
-    p.add_argument("--s3-total-mib", type=int, default=256, help="bytes restored per S3 round")
-    p.add_argument("--io-threads", type=int, default=None)
+    p.add_argument("--s3-total-mib", type=benchmain.positive, default=256, help="bytes restored per S3 round")
+    p.add_argument("--io-threads", type=benchmain.positive, default=None)
     p.add_argument("--direct-io", choices=["auto", "true", "false"], default="auto",
                    help="the file tier's direct_io setting (default: its default, auto)")
     p.add_argument("--dir", default=None, help="where the tier lives (default: a temporary directory)")

@@ -46,6 +46,7 @@ import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -59,6 +60,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 
+try:
+    import sglang  # noqa: F401
+except ImportError:
+    sys.exit("sglang_backend: needs SGLang: run it with the SGLang venv's python "
+             "(.venv-sglang/bin/python, which `scripts/dev test` sets up)")
 import cpu_shim  # noqa: E402,F401  (before sglang: stubs torchvision)
 import torch  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
@@ -201,20 +207,28 @@ def bench_page(layers: int, calls: int, rounds: int, root: Path, fresh: bool) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--page-kib", default="256,2048", help="page sizes: 256 KiB (4 layers) and/or 2048")
-    ap.add_argument("--calls", type=int, default=8, help="calls of 16 pages per phase")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=benchmain.positive, default=8, help="calls of 16 pages per phase")
+    ap.add_argument("--rounds", type=benchmain.positive, default=5)
     ap.add_argument("--dir", default=None, help="where both backends write (default: a temporary dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh-tier", action="store_true",
                     help="leave tierkv's directory fan-out to be made by the timed writes")
-    ap.add_argument("--torch-threads", type=int, default=1,
+    ap.add_argument("--torch-threads", type=benchmain.positive, default=1,
                     help="torch intra-op threads (SGLang's GPU scheduler process runs with 1)")
     args = ap.parse_args()
+    try:
+        page_kibs = [int(x) for x in args.page_kib.split(",")]
+    except ValueError:
+        ap.error(f"--page-kib: comma-separated KiB, e.g. 256,2048 (got {args.page_kib!r})")
+    if any(k < 64 or k % 64 for k in page_kibs):
+        ap.error(f"--page-kib: multiples of 64 (one layer of a page is 64 KiB; got {args.page_kib!r})")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir: no such directory: {args.dir}")
     torch.set_num_threads(args.torch_threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="tierkv-sglang-bench-"))
     results = []
     try:
-        for kib in (int(x) for x in args.page_kib.split(",")):
+        for kib in page_kibs:
             layers = kib * 1024 // (2 * PAGE * HEADS * DIM * 2)
             res = bench_page(layers, args.calls, args.rounds, root, args.fresh_tier)
             results.append(res)

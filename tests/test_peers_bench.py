@@ -117,3 +117,13 @@ def test_guarantees_reported(report: dict[str, Any]) -> None:
         assert g["capacity_held"] is True, g
         assert g["restart_reuse"] is True, g
     assert guards["vllm-fs"]["capacity_held"] is None  # the fs tier has no capacity setting
+
+
+@pytest.mark.parametrize("flags", [["--sizes", "3Q"], ["--sizes", "5001"], ["--calls", "x"],
+                                   ["--calls", "5-2"], ["--repeats", "0"], ["--mb-per-size", "-1"]])
+def test_a_bad_flag_is_one_usage_line_not_a_traceback(flags: list[str]) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), *flags], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("peers.py: error: " + flags[0])
