@@ -95,6 +95,17 @@ def test_inspect_and_verify_of_urls_that_name_nothing(url: str) -> None:
         no_traceback(res)
 
 
+@pytest.mark.parametrize("url", ["s3://", "s3:///kv", "gs://"])
+def test_an_object_store_url_without_a_bucket_says_so(url: str) -> None:
+    for cmd in ("inspect", "verify"):
+        res = tierkv(cmd, url)
+        assert res.returncode == 2, (cmd, url, res)
+        no_traceback(res)
+        scheme = url.split(":")[0]
+        assert res.stderr.strip().splitlines() == [
+            f"tierkv: error: names no bucket: {url!r} (such as {scheme}://bucket/prefix)"], res.stderr
+
+
 def test_paths_with_markup_characters_are_shown_as_they_are(tmp_path: Path) -> None:
     for name in ("kv[bold]x", "kv[/x]"):
         root = tmp_path / name

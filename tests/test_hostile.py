@@ -203,6 +203,7 @@ BAD_TIER_SETTINGS = [
     ("negative_ttl_s", 0), ("negative_ttl_s", -5), ("negative_ttl_s", math.nan),
     ("shed_after_s", 0), ("shed_after_s", math.nan), ("elem_size", 0), ("elem_size", 256),
     ("zstd_level", 1000), ("zstd_level", -(1 << 20)), ("url", ""), ("url", "file://"), ("url", "   "),
+    ("url", "s3://"), ("url", "s3:///prefix"),
     ("stale_temp_s", -1), ("max_inflight_bytes", 0), ("max_queued_bytes", -1), ("read_bytes_per_s", 0),
     ("io_depth", 0),
 ]

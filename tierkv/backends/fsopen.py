@@ -22,13 +22,20 @@ __all__ = ["S3_FAIL_FAST", "default_io_threads", "default_read_processes", "is_l
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
 
 
+#: object stores whose URLs name a bucket (or container) first
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
 def url_problem(url: str) -> str:
-    """Why ``url`` cannot be a tier's root ('' when it can): empty, or a file URL with no path
-    (which would put the tier in the working directory)."""
+    """Why ``url`` cannot be a tier's root ('' when it can): empty, a file URL with no path
+    (which would put the tier in the working directory), or an object store URL with no bucket."""
     parts = urlsplit(url)
     if not url.strip() or (parts.scheme in ("", "file", "local") and not (parts.netloc + parts.path).strip()):
         return (f"names no location: {redact_url(url)!r} (a path or an fsspec URL such as "
                 "file:///var/cache/tierkv or s3://bucket/prefix)")
+    if parts.scheme in _BUCKETED and not parts.netloc.rpartition("@")[2].strip():
+        shown = f"{parts.scheme}://{parts.path}"  # without user info: there is no host to keep
+        return f"names no bucket: {shown!r} (such as {parts.scheme}://bucket/prefix)"
     return ""
 
 
