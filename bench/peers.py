@@ -1003,7 +1003,8 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"from {','.join(SYSTEMS)}")
     ap.add_argument("--lmcache-python", help=f"LMCache venv's python (${LMCACHE_ENV} wins)")
     ap.add_argument("--vllm-src", help="put this vLLM source tree first on sys.path (e.g. /work/vllm033-src)")
-    ap.add_argument("--dir", help="where the fresh directories go (default: a temp dir)")
+    ap.add_argument("--dir", type=benchmain.directory,
+                    help="where the fresh directories go (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-drop", action="store_true", help="never drop the page cache (cold = warm)")
     ap.add_argument("--no-guarantees", action="store_true")
@@ -1036,8 +1037,6 @@ def main() -> int:
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or TIERKV not in names:
         ap.error(f"--systems: unknown {unknown}" if unknown else "--systems must include tierkv")
-    if args.dir is not None and not os.path.isdir(args.dir):
-        ap.error(f"--dir: no such directory: {args.dir}")
     if args.threads < 2:
         ap.error("--threads must be at least 2 (vLLM's fs tier gets ceil(T/2) + floor(T/2))")
 

@@ -46,7 +46,6 @@ import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -206,24 +205,21 @@ def bench_page(layers: int, calls: int, rounds: int, root: Path, fresh: bool) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page-kib", default="256,2048", help="page sizes: 256 KiB (4 layers) and/or 2048")
+    ap.add_argument("--page-kib", type=benchmain.positive_list, default="256,2048",
+                    help="page sizes: 256 KiB (4 layers) and/or 2048")
     ap.add_argument("--calls", type=benchmain.positive, default=8, help="calls of 16 pages per phase")
     ap.add_argument("--rounds", type=benchmain.positive, default=5)
-    ap.add_argument("--dir", default=None, help="where both backends write (default: a temporary dir)")
+    ap.add_argument("--dir", type=benchmain.directory, default=None,
+                    help="where both backends write (default: a temporary dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh-tier", action="store_true",
                     help="leave tierkv's directory fan-out to be made by the timed writes")
     ap.add_argument("--torch-threads", type=benchmain.positive, default=1,
                     help="torch intra-op threads (SGLang's GPU scheduler process runs with 1)")
     args = ap.parse_args()
-    try:
-        page_kibs = [int(x) for x in args.page_kib.split(",")]
-    except ValueError:
-        ap.error(f"--page-kib: comma-separated KiB, e.g. 256,2048 (got {args.page_kib!r})")
-    if any(k < 64 or k % 64 for k in page_kibs):
-        ap.error(f"--page-kib: multiples of 64 (one layer of a page is 64 KiB; got {args.page_kib!r})")
-    if args.dir is not None and not os.path.isdir(args.dir):
-        ap.error(f"--dir: no such directory: {args.dir}")
+    page_kibs: list[int] = args.page_kib
+    if any(k % 64 for k in page_kibs):
+        ap.error(f"--page-kib: multiples of 64 (one layer of a page is 64 KiB; got {page_kibs})")
     torch.set_num_threads(args.torch_threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="tierkv-sglang-bench-"))
     results = []

@@ -323,7 +323,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=benchmain.positive, default=200)
     ap.add_argument("--repeats", type=benchmain.positive, default=5)
-    ap.add_argument("--groups", default="1,4")
+    ap.add_argument("--groups", type=benchmain.positive_list, default="1,4")
     ap.add_argument("--capacity", type=benchmain.positive, default=4096, help="chunks per group")
     ap.add_argument("--variants", default="vllm,tierkv,tierkv+file")
     ap.add_argument("--page", type=benchmain.positive, default=1024, help="bytes per block (per group)")
@@ -338,12 +338,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("tierkv").setLevel(logging.ERROR)
 
-    try:
-        group_counts = [int(g) for g in args.groups.split(",")]
-    except ValueError:
-        ap.error(f"--groups: comma-separated whole numbers, e.g. 1,4 (got {args.groups!r})")
-    if min(group_counts) < 1:
-        ap.error(f"--groups: every count at least 1 (got {args.groups!r})")
     variants = args.variants.split(",")
     if "vllm" not in variants:
         ap.error("--variants must include vllm (the baseline)")
@@ -354,7 +348,7 @@ def main() -> None:
           f" {chunks / len(stream):.0f} chunks per request; capacity {args.capacity} chunks per group;"
           f" {args.repeats} rounds + 1 warm-up; torch threads {torch.get_num_threads()}")
     report: dict[str, Any] = {"args": vars(args), "groups": {}}
-    for groups in group_counts:
+    for groups in args.groups:
         samples: dict[str, list[Result]] = {v: [] for v in variants}
         for rnd in range(args.repeats + 1):
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
