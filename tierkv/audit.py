@@ -27,7 +27,6 @@ import anyio
 
 from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsopen import open_driver, url_problem
-from tierkv.backends.fsspec import RECORD_OVERHEAD
 from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -39,6 +38,7 @@ from tierkv.backends.namespace import (
     key_relpath,
     parse_manifest,
 )
+from tierkv.backends.recordread import RECORD_OVERHEAD
 from tierkv.backends.redact import Redactor, redact_url
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
 from tierkv.layout import Layout

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import numpy as np
 import torch
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
@@ -40,9 +38,7 @@ from tierkv.backends.fsio import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
     Driver,
-    Entry,
     RecordSource,
-    SpecialFile,
     temp_owner_alive,
 )
 from tierkv.backends.fsopen import default_io_threads, open_driver, url_problem
@@ -52,21 +48,19 @@ from tierkv.backends.namespace import (
     classify,
     is_record_name,
     key_from_name,
+    keys_of,
     manifest_bytes,
     manifest_path,
     namespace_path,
+    newest_keys,
     record_path,
 )
+from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
 from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
 from tierkv.record import (
-    FIXED_HEADER_LEN,
-    TRAILER_LEN,
-    decode_record,
     encode_record_parts,
-    none_header,
-    none_parts_match,
     read_header,
 )
 from tierkv.tensors import as_bytes
@@ -76,24 +70,11 @@ __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "defau
 
 log = logging.getLogger("tierkv.fsspec")
 
-#: a record is at most this much larger than its block (header, key, plane table, trailer)
-RECORD_OVERHEAD = 64 << 10
 #: a listing tells the stores above the tier of at most this many of its newest records
 LISTED_KEYS_MAX = 1 << 18
 #: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
 #: not fatal (records already there stay readable)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-_tls = threading.local()
-
-
-def _read_buffer(size: int) -> memoryview:
-    """``size`` bytes of this thread's reusable read buffer (no allocation per record)."""
-    buf: bytearray | None = getattr(_tls, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _tls.buf = bytearray(size)
-    return memoryview(buf)[:size]
 
 
 class FsspecTier(Tier):
@@ -269,9 +250,9 @@ class FsspecTier(Tier):
             records = listing.records.get(self.context.fingerprint, [])
             found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
                                                 if is_record_name(rel.rpartition("/")[2])), started, written)
-            self.notify("removed", self._keys_of(gone))  # evicted by another process, or repaired
+            self.notify("removed", keys_of(gone))  # evicted by another process, or repaired
             # what the listing saw needs no probe before its first read (the newest records first)
-            self.notify("listed", await anyio.to_thread.run_sync(self._listed_keys, records))
+            self.notify("listed", await anyio.to_thread.run_sync(newest_keys, records, LISTED_KEYS_MAX))
             self.count("scanned", found)
             await self._evict()
         except Exception as exc:
@@ -279,22 +260,6 @@ class FsspecTier(Tier):
             self.count("scan_errors")
         finally:
             self._scan_done.set()
-
-    @staticmethod
-    def _listed_keys(records: list[tuple[Entry, str]]) -> list[bytes]:
-        """The keys of the newest :data:`LISTED_KEYS_MAX` listed records (digest names skipped)."""
-        newest = sorted(records, key=lambda r: r[0].mtime, reverse=True)[:LISTED_KEYS_MAX]
-        return FsspecTier._keys_of([e.path for e, _ in newest])
-
-    @staticmethod
-    def _keys_of(paths: list[str]) -> list[bytes]:
-        """The keys of records at ``paths`` (those named by a digest cannot be told: skipped)."""
-        keys = []
-        for p in paths:
-            key = key_from_name(p.rpartition("/")[2])
-            if key is not None:
-                keys.append(key)
-        return keys
 
     async def _evict(self) -> None:
         if self._evicting:
@@ -308,7 +273,7 @@ class FsspecTier(Tier):
                     self._warn("evicting records", exc)
                     self.count("evict_errors")
                 self.count("evictions", len(victims))
-                self.notify("removed", self._keys_of(victims))
+                self.notify("removed", keys_of(victims))
         finally:
             self._evicting = False
 
@@ -365,54 +330,15 @@ class FsspecTier(Tier):
         finally:
             self._reading -= 1
 
-    def _read_into(self, key: bytes, row: np.ndarray, heads: dict[int, tuple[bytes, bytes]],
-                   src: RecordSource) -> int | str | None:
-        """Read one record from ``src`` into ``row`` and verify it (in a worker thread for local files).
-
-        ``none`` records are read in place: one scatter read fills the header, the row itself and
-        the trailer (plus a spare byte that catches longer files), and
-        :func:`~tierkv.record.none_parts_match` checks them against the header this key's record
-        must have (``heads[len(key)]`` around the key). Anything else (another codec, a damaged or
-        foreign record) is read whole and decoded by :func:`~tierkv.record.decode_record`, whose
-        verdict counts. Returns the record's size, a corruption reason, or None when absent.
-        """
-        try:
-            if heads:
-                fixed, pad = heads[len(key)]
-                expected = fixed + key + pad
-                head, tail = bytearray(len(expected)), bytearray(TRAILER_LEN + 1)
-                got = src.readinto([head, row, tail])
-                if got is None:
-                    return None
-                if none_parts_match(expected, head, row, tail, got):
-                    return got
-            data = src.read_all(_read_buffer(row.size + RECORD_OVERHEAD + 1))
-        except SpecialFile:
-            return "special"
-        if data is None:
-            return None
-        try:
-            decode_record(data, key=key, fingerprint=self.context.fingerprint, max_raw_bytes=row.size,
-                          out=row)
-        except CorruptRecord as exc:
-            return exc.reason
-        return data.nbytes
-
     async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
         block_bytes = out.numel() * out.element_size() // max(1, len(keys))
         np_out = as_bytes(out, len(keys), block_bytes).numpy()
-        heads: dict[int, tuple[bytes, bytes]] = {}
-        if self.cfg.codec == "none":
-            # per key length: the header every none record of this tier's blocks has, around the key
-            for k in keys:
-                if len(k) not in heads:
-                    h = none_header(key=k, fingerprint=self.context.fingerprint, raw_len=block_bytes,
-                                    elem_size=self.cfg.elem_size)
-                    heads[len(k)] = (h[:FIXED_HEADER_LEN], h[FIXED_HEADER_LEN + len(k):])
+        fp = self.context.fingerprint
+        heads = none_heads(keys, fp, block_bytes, self.cfg.elem_size) if self.cfg.codec == "none" else {}
         paths = [self.path(k) for k in keys]
 
         def job(i: int, src: RecordSource) -> int | str | None:
-            return self._read_into(keys[i], np_out[i], heads, src)
+            return read_into(keys[i], np_out[i], heads, src, fp)
 
         inplace = None
         if heads and self.driver.reads_in_place():
@@ -448,7 +374,7 @@ class FsspecTier(Tier):
                 self.count("corrupt_removed", len(corrupt))
             except Exception as exc:
                 self._warn("removing corrupt records", exc)
-            self.notify("removed", self._keys_of(corrupt))
+            self.notify("removed", keys_of(corrupt))
         if touch and self.cfg.capacity_bytes is not None:
             try:
                 await self.driver.touch_many(touch)

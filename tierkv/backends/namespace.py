@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +41,12 @@ __all__ = [
     "group_of",
     "is_record_name",
     "key_from_name",
+    "keys_of",
     "key_relpath",
     "manifest_bytes",
     "manifest_path",
     "namespace_path",
+    "newest_keys",
     "parse_manifest",
     "record_name",
     "record_path",
@@ -210,3 +213,19 @@ def classify(root: str, entries: list[Entry]) -> Listing:
         else:
             out.other.append((rel, fp))
     return out
+
+
+def keys_of(paths: Sequence[str]) -> list[bytes]:
+    """The keys of the records at ``paths`` (those named by a digest cannot be told: skipped)."""
+    keys = []
+    for p in paths:
+        key = key_from_name(p.rpartition("/")[2])
+        if key is not None:
+            keys.append(key)
+    return keys
+
+
+def newest_keys(records: Sequence[tuple[Entry, str]], limit: int) -> list[bytes]:
+    """The keys of the newest ``limit`` listed records (digest names skipped)."""
+    newest = sorted(records, key=lambda r: r[0].mtime, reverse=True)[:limit]
+    return keys_of([e.path for e, _ in newest])
