@@ -7,6 +7,7 @@ blocks (temporary directories, servers, child engines) run as the interrupt unwi
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -30,8 +31,6 @@ if threading.current_thread() is threading.main_thread():
 
 def positive(text: str) -> int:
     """An argparse ``type``: a whole number of at least 1 (counts, sizes, rounds)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -48,8 +47,6 @@ def positive_list(text: str) -> list[int]:
 
 def directory(text: str) -> str:
     """An argparse ``type``: a directory that exists."""
-    import argparse
-
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"no such directory: {text}")
     return text
