@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["directory", "positive", "positive_list", "run"]
+__all__ = ["directory", "positive", "positive_list", "require", "run"]
 
 NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
 
@@ -27,6 +27,16 @@ def _while_importing(signum: int, frame: object) -> None:
 
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _while_importing)
+
+
+def require(module: str, what: str, hint: str) -> None:
+    """Exit with one line (``<script>: needs <what>: <hint>``) when ``module`` cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        sys.exit(f"{NAME}: needs {what}: {hint}")
 
 
 def positive(text: str) -> int:

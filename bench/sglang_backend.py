@@ -59,11 +59,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang"))
 
-try:
-    import sglang  # noqa: F401
-except ImportError:
-    sys.exit("sglang_backend: needs SGLang: run it with the SGLang venv's python "
-             "(.venv-sglang/bin/python, which `scripts/dev test` sets up)")
+benchmain.require("sglang", "SGLang", "run it with the SGLang venv's python "
+                  "(.venv-sglang/bin/python, which `scripts/dev test` sets up)")
 import cpu_shim  # noqa: E402,F401  (before sglang: stubs torchvision)
 import torch  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402

