@@ -40,3 +40,13 @@ def test_simulate_compares_tierkv_with_the_naive_policy(capsys: pytest.CaptureFi
 
 def test_simulate_refuses_bad_slots(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--slots", "x"]) == 2
+
+
+@pytest.mark.parametrize("extra", [[], ["--nodes", "2"]], ids=["writer-process", "nodes"])
+def test_simulate_with_a_bad_url_is_one_line_in_any_mode(extra: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tierkv.cli", "simulate", "--url", "nosuch://x", *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no file system for nosuch://" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "frozen" not in proc.stderr

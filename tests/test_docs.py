@@ -65,3 +65,39 @@ def test_links_point_inside_the_repository() -> None:
                 continue
             assert (page.parent / target).exists(), f"{page.name}: link to missing {target}"
         assert "../shared" not in text and "/work/" not in text, f"{page.name} points outside the repository"
+
+
+#: ``pip install tierkv``, ``pip install 'tierkv[s3]'``, ``pip install "tierkv[...]"``: the package
+#: index's ``tierkv`` is an unrelated project, so no page or message may tell anyone to install it
+WRONG_PROJECT = re.compile(r"""pip3?\s+install\s+(?:-U\s+|--upgrade\s+)?['"]?tierkv(?![\w./-])""")
+
+
+def _texts() -> list[tuple[str, str]]:
+    files = [*PAGES, *sorted((ROOT / "tierkv").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py")),
+             ROOT / "scripts" / "dev", ROOT / "pyproject.toml"]
+    return [(str(f.relative_to(ROOT)), f.read_text()) for f in files]
+
+
+def test_the_pattern_catches_the_wrong_install_lines() -> None:
+    for line in ("pip install tierkv", "pip install 'tierkv[s3]'", 'pip install "tierkv[metrics]"',
+                 "pip install tierkv[s3]", "pip3 install -U tierkv", "pip install tierkv\n"):
+        assert WRONG_PROJECT.search(line), line
+    for line in ("pip install -e '.[s3]'", "pip install 's3fs>=2024.6'", "pip install -e './tierkv[s3]'",
+                 "pip install tierkv-cache", "pip install ./tierkv"):
+        assert not WRONG_PROJECT.search(line), line
+
+
+def test_no_page_or_message_installs_the_unrelated_tierkv() -> None:
+    bad = [f"{name}: {m.group(0)!r}" for name, text in _texts() for m in WRONG_PROJECT.finditer(text)]
+    assert not bad, "these install the package index's unrelated 'tierkv':\n" + "\n".join(bad)
+
+
+def test_the_distribution_name_is_not_the_unrelated_project() -> None:
+    import tomllib
+
+    name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    from tierkv.errors import DISTRIBUTION, install_hint
+
+    assert name == DISTRIBUTION and name != "tierkv"
+    hint = install_hint("s3")
+    assert "s3fs" in hint and not WRONG_PROJECT.search(hint)

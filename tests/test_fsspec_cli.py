@@ -220,3 +220,27 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
     assert res.returncode == 2, "nothing verifiable is not clean"
     rep = json.loads(res.stdout)
     assert rep["checked"] == 0 and not rep["found"] and "no tierkv namespace" in rep["hint"]
+
+
+def test_the_human_summary_counts_every_other_file_the_json_lists(
+        tier_dir: dict[str, Any], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ns_dir = Path(tier_dir["a"].path(_keys(1, FULL, 1)[0])).parent
+    while ns_dir.parent != tier_dir["root"]:
+        ns_dir = ns_dir.parent
+    (ns_dir / "stray.bin").write_bytes(b"not a record")  # inside a namespace, not at the root
+    rc, rep = _run_cli(capsys, "inspect", tier_dir["url"])
+    listed = len(rep["other_files"]) + sum(ns["other_files"] for ns in rep["namespaces"])
+    assert rc == 0 and listed == 2
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", tier_dir["url"]]) == 0
+    assert f"{listed} other file(s)" in capsys.readouterr().out
+
+
+def test_unknown_storage_options_and_flags_are_usage_errors(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path), "-o", "foo=bar"]) == 2
+    assert "takes no option 'foo'" in capsys.readouterr().err
+    assert main(["verify", "--nosuchflag", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "usage: tierkv verify" in err and "--nosuchflag" in err

@@ -95,3 +95,32 @@ async def test_a_port_in_use_is_a_config_error(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="metrics_port"):
             async with TieredStore(cfg(tmp_path / "b", metrics_port=port)):
                 pass
+
+
+async def test_the_environment_turns_the_endpoint_on_for_a_config_built_in_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("TIERKV_METRICS_PORT", "0")
+    plain = {k: v for k, v in cfg(tmp_path).items() if k != "metrics_port"}
+    async with TieredStore(plain) as store:
+        assert store.metrics_url is not None
+        values = await anyio.to_thread.run_sync(scrape, store.metrics_url)
+        assert any(k.startswith("tierkv_tier_") for k in values)
+        port = int(str(store.metrics_url).rsplit(":", 1)[1].split("/")[0])
+        # a second store of the process cannot have the same port: it opens without an endpoint
+        monkeypatch.setenv("TIERKV_METRICS_PORT", str(port))
+        async with TieredStore({**plain, "tiers": [{"kind": "cpu", "slots": {0: 8}}]}) as second:
+            assert second.metrics_url is None
+        assert "TIERKV_METRICS_PORT" in caplog.text
+    # a port in the config wins over the variable
+    monkeypatch.setenv("TIERKV_METRICS_PORT", "1")
+    async with TieredStore(cfg(tmp_path)) as store:
+        assert store.metrics_url is not None and not str(store.metrics_url).endswith(":1/metrics")
+
+
+async def test_a_bad_metrics_port_variable_is_a_config_error(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERKV_METRICS_PORT", "nine")
+    plain = {k: v for k, v in cfg(tmp_path).items() if k != "metrics_port"}
+    with pytest.raises(ConfigError, match="TIERKV_METRICS_PORT"):
+        async with TieredStore(plain):
+            pass

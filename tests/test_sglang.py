@@ -91,7 +91,7 @@ def test_the_usable_prefix_is_the_longest_every_pool_can_restore(case: Any) -> N
 
 @pytest.mark.parametrize(("extra", "named"), [
     ({"bogus": 1}, "hicache_storage_backend_extra_config.bogus"),
-    ({}, "hicache_storage_backend_extra_config.cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": 0}, "hicache_storage_backend_extra_config.cpu_bytes_to_use"),
     ({"cpu_bytes_to_use": 1 << 20, "tiers": [{"kind": "fsspec"}]},
      "hicache_storage_backend_extra_config.tiers.0.url"),
     ({"cpu_bytes_to_use": 1 << 20, "tiers": [{"kind": "memory"}, {"kind": "nope"}]},

@@ -389,3 +389,64 @@ def test_kv_events_report_every_record_of_the_persistent_tier_once(tmp_path: Pat
         assert sorted(removed) == sorted([victim, other]), "corruption and outside removals, once each"
     finally:
         e.close()
+
+
+# ---- CPUs that pick instructions by flags (tierkv/adapters/vllm/cpu.py) -------------------------------
+def test_building_the_spec_asks_for_amx_tiles_in_that_process(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM builds the spec in its worker process before the first step: that is where AMX tile
+    permission must be asked for (an engine whose first step is one token over a restored prefix
+    otherwise ran vLLM's AMX attention kernel unpermitted: SIGILL on CPUs with AMX)."""
+    import tierkv.adapters.vllm.spec as spec_module
+
+    asked: list[int] = []
+    monkeypatch.setattr(spec_module, "ensure_amx_permission", lambda: asked.append(os.getpid()) or "granted")
+    spec = TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], {"cpu_bytes_to_use": 1 << 20}, "amx"))
+    assert asked == [os.getpid()] and spec.amx == "granted"
+
+
+def test_amx_permission_is_asked_of_the_kernel_only_where_the_cpu_has_amx(monkeypatch: pytest.MonkeyPatch
+                                                                         ) -> None:
+    import tierkv.adapters.vllm.cpu as cpu
+
+    permitted = {"now": False}
+    monkeypatch.setattr(cpu, "amx_supported", lambda: True)
+    monkeypatch.setattr(cpu, "amx_permitted", lambda: permitted["now"])
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: permitted.update(now=True) or True, raising=False)
+    assert cpu.ensure_amx_permission() == "granted" and permitted["now"]
+    permitted["now"] = False
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False, raising=False)
+    assert cpu.ensure_amx_permission().startswith("refused")
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: 1 / 0, raising=False)
+    assert cpu.ensure_amx_permission().startswith("refused: ZeroDivisionError")  # never raises
+    monkeypatch.setattr(cpu, "amx_supported", lambda: False)
+    assert cpu.ensure_amx_permission() == "not needed (no AMX on this CPU)"
+
+
+def test_this_process_holds_amx_permission_after_asking_where_the_cpu_has_amx() -> None:
+    """The real system call, on whatever CPU runs the suite: granted with AMX, not needed without."""
+    from tierkv.adapters.vllm.cpu import amx_permitted, amx_supported, ensure_amx_permission
+
+    answer = ensure_amx_permission()
+    if amx_supported():
+        assert answer == "granted" and amx_permitted()
+    else:
+        assert answer == "not needed (no AMX on this CPU)"
+
+
+def test_engines_on_cpus_that_lay_out_kv_differently_never_share_a_namespace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierkv.adapters.vllm.cpu as cpu
+
+    def namespace(amx: bool, conv: str | None) -> str:
+        monkeypatch.setattr(cpu, "amx_supported", lambda: amx)
+        if conv is None:
+            monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", conv)
+        cfg = offloading_config(tmp_path, [(0, 16)], {"cpu_bytes_to_use": 1 << 20}, "ns")
+        return str(TierKVOffloadingSpec(cfg).namespace)
+
+    names = {namespace(True, None), namespace(False, None), namespace(False, "SD"), namespace(False, "DS")}
+    assert len(names) == 4  # the AMX and vector attention layouts, two conv state layouts
+    assert namespace(False, None) == namespace(False, None)

@@ -6,6 +6,7 @@ region, our tier created by vLLM's SecondaryTierFactory from a ``secondary_tiers
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -581,3 +582,34 @@ def test_config_errors_name_the_key(make: Callable[..., Setup], entry: dict[str,
     assert "hunter2" not in str(info.value) and "AKIA-SECRET" not in str(info.value)
     after = {f for f in os.listdir("/dev/shm") if "tierkv-test-" in f}
     assert after <= before, "vLLM removed the primary's shared-memory region"
+
+
+def test_vllm_unmaps_its_primary_after_cold_and_corrupt_reads_without_a_collection(
+        make: Callable[..., Setup], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM closes its shared region right after the tier's shutdown: nothing of tierkv's may still
+    hold a view of it then, also when no garbage collection ran (an engine freezes its heap; a read
+    that failed or had to wait kept its buffers in a traceback's reference cycle)."""
+    a = make(read_processes=0)
+    keys = make_keys(6, seed=11)
+    data = dict(zip(keys, kv_rows(6, a.row, seed=11), strict=True))
+    a.store(data)
+    a.shutdown()
+    files = records(tmp_path / "kv")
+    for f in files:  # cold: the reads must wait for the device (or be refused a page-cache-only read)
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    damaged = bytearray(files[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    files[0].write_bytes(bytes(damaged))
+    gc.collect()
+    gc.disable()
+    try:
+        b = make(read_processes=0)
+        final, _, _ = b.restore(keys)
+        b.shutdown()
+    finally:
+        gc.enable()
+    assert sum(r is HIT for r in final.values()) == 5
+    assert "Failed to close" not in caplog.text and "BufferError" not in caplog.text, caplog.text[-2000:]

@@ -96,6 +96,28 @@ class StoreConfig(BaseModel):
                 raise ValueError(f"tiers.{i}: {exc}") from None
         return out
 
+    def metrics_address(self, environ: Mapping[str, str] | None = None) -> tuple[str, int, bool] | None:
+        """Where to serve metrics: ``(host, port, from_environment)``, or None.
+
+        ``metrics_port`` in the config wins; a config without one (built in code, read from a file,
+        made by an engine adapter) takes ``TIERKV_METRICS_PORT`` / ``TIERKV_METRICS_HOST``, so an
+        operator can turn the endpoint on for any store without touching the code that builds it.
+        """
+        if self.metrics_port is not None:
+            return self.metrics_host, self.metrics_port, False
+        env = os.environ if environ is None else environ
+        text = env.get(f"{ENV_PREFIX}METRICS_PORT", "").strip()
+        if not text:
+            return None
+        try:
+            port = int(text)
+        except ValueError:
+            raise ConfigError(f"{ENV_PREFIX}METRICS_PORT: not a port number: {text!r}") from None
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"{ENV_PREFIX}METRICS_PORT: {port} is not in 0..65535")
+        host = env.get(f"{ENV_PREFIX}METRICS_HOST", "").strip() or self.metrics_host
+        return host, port, True
+
     @property
     def fingerprint(self) -> str:
         """The layout fingerprint within this config's namespace."""

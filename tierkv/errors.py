@@ -23,6 +23,7 @@ __all__ = [
     "StoreClosed",
     "TierKVError",
     "format_validation_error",
+    "install_hint",
 ]
 
 
@@ -96,3 +97,22 @@ def format_validation_error(exc: Any, prefix: str = "") -> str:
         msg = str(err["msg"]).removeprefix("Value error, ")
         lines.append(f"{loc or '<root>'}: {msg}")
     return "; ".join(lines)
+
+
+#: this project's distribution name on the package index (the import name is ``tierkv``; the index's
+#: ``tierkv`` is an unrelated project)
+DISTRIBUTION = "tierkv-cache"
+
+#: what each optional extra brings, as pip requirements
+EXTRAS = {
+    "s3": "s3fs>=2024.6",
+    "metrics": "prometheus-client>=0.20",
+    "plot": "matplotlib>=3.7",
+}
+
+
+def install_hint(extra: str) -> str:
+    """How to install an optional extra into the environment that runs tierkv."""
+    need = EXTRAS.get(extra, extra)
+    return (f"pip install '{need}' (the [{extra}] extra of {DISTRIBUTION}; from a tierkv checkout: "
+            f"pip install -e '.[{extra}]')")

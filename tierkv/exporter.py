@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, install_hint
 from tierkv.metrics import StoreStats, histogram_samples, samples
 
 __all__ = ["MetricsServer"]
@@ -25,7 +25,7 @@ class MetricsServer:
             from prometheus_client import start_http_server
             from prometheus_client.registry import CollectorRegistry
         except ImportError:
-            raise ConfigError("metrics_port needs prometheus-client: pip install 'tierkv[metrics]'") from None
+            raise ConfigError(f"metrics_port needs prometheus-client: {install_hint('metrics')}") from None
         self._stats = stats
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)

@@ -25,6 +25,7 @@ import torch
 from tierkv.demo import block_for, chain_hashes
 from tierkv.layout import GroupSpec, Layout
 from tierkv.store import Lookup, TieredStore
+from tierkv.testing.processes import child_failure, run_child
 
 __all__ = ["NodesResult", "run_nodes"]
 
@@ -135,7 +136,7 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
             assert p.stdout is not None
             line = p.stdout.readline()
             if not line:
-                raise RuntimeError(f"a node failed while writing: {_tail(p)}")
+                raise child_failure("a node failed while writing", _tail(p))
         held = anyio.run(_held, spec)
         for p in procs:
             assert p.stdin is not None
@@ -145,7 +146,7 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
         for p in procs:
             out, err = p.communicate(timeout=timeout_s)
             if p.returncode != 0 or not out.strip():
-                raise RuntimeError(f"a node failed while restoring: {err.strip()[-500:]}")
+                raise child_failure("a node failed while restoring", err)
             results.append(json.loads(out.strip().splitlines()[-1]))
         return NodesResult(nodes=results, capacity_bytes=capacity_bytes, held_bytes=held,
                            seconds=time.perf_counter() - t0)
@@ -159,7 +160,7 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
 def _tail(p: subprocess.Popen[str]) -> str:
     p.kill()
     _, err = p.communicate()
-    return err.strip()[-500:]
+    return err
 
 
 def _main() -> None:
@@ -168,4 +169,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    run_child(_main)

@@ -23,6 +23,7 @@ import torch
 from tierkv.demo import block_for, chain_hashes
 from tierkv.layout import GroupSpec, Layout
 from tierkv.store import Lookup, TieredStore
+from tierkv.testing.processes import child_failure, run_child
 
 __all__ = ["RequestResult", "Scenario", "SimulationResult", "run_scenario", "write_documents"]
 
@@ -139,7 +140,7 @@ def _write_in_subprocess(sc: Scenario) -> None:
     proc = subprocess.run([sys.executable, "-m", "tierkv.simulate", "--write", params],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise RuntimeError(f"writer process failed: {proc.stderr[-2000:]}")
+        raise child_failure("the writer process failed", proc.stderr)
 
 
 async def _restore(store: TieredStore, sc: Scenario, r: RequestResult, hs: list[bytes], k: int) -> None:
@@ -207,6 +208,6 @@ def _main_write(params: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--write":
-        _main_write(sys.argv[2])
+        run_child(lambda: _main_write(sys.argv[2]))
     else:
         sys.exit("usage: python -m tierkv.simulate --write PARAMS_JSON (use `tierkv simulate`)")

@@ -135,11 +135,19 @@ class TieredStore:
                               stats=self._primary_stats, changed=self._changed)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
-        if self.config.metrics_port is not None:
+        address = self.config.metrics_address()
+        if address is not None:
             from tierkv.exporter import MetricsServer
 
+            host, port, from_env = address
             try:
-                self._metrics = MetricsServer(self.stats, self.config.metrics_host, self.config.metrics_port)
+                self._metrics = MetricsServer(self.stats, host, port)
+            except ConfigError as exc:
+                if not from_env:
+                    await _close_all(self._tiers)
+                    raise
+                # the variable applies to every store of the process: one that cannot bind serves none
+                log.warning("TIERKV_METRICS_PORT: no metrics endpoint for this store: %s", exc)
             except BaseException:
                 await _close_all(self._tiers)
                 raise

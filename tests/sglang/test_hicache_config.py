@@ -20,7 +20,7 @@ def _base(tier: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"bogus": 1}, "hicache_storage_backend_extra_config.bogus"),
-    ({"cpu_bytes_to_use": None}, "hicache_storage_backend_extra_config.cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": 0}, "hicache_storage_backend_extra_config.cpu_bytes_to_use"),
     ({"tiers": [{"kind": "fsspec"}]}, "hicache_storage_backend_extra_config.tiers.0.url"),
     ({"eviction_policy": "mru"}, "hicache_storage_backend_extra_config.eviction_policy"),
     ({"slots": {"nope": 4}}, "hicache_storage_backend_extra_config.slots.nope"),
@@ -40,6 +40,22 @@ def test_sglangs_own_keys_are_passed_over(file_tier: dict[str, Any], closing: li
     b = create_backend(extra, host)
     closing.append(b)
     assert b.settings.cpu_bytes_to_use == 8 << 20
+
+
+def test_only_tiers_is_enough_the_cpu_pool_is_sized_from_the_host_pool(file_tier: dict[str, Any],
+                                                                      closing: list[Any]) -> None:
+    from tierkv.adapters.sglang.config import DEFAULT_CPU_MAX, DEFAULT_CPU_MIN
+
+    extra = {**TIERKV, "interface_v1": 1, "tiers": [file_tier]}  # as SGLang's file backend is set up
+    _, host = make_mha("page_first", size=1 << 16)
+    b = create_backend(extra, host)
+    closing.append(b)
+    assert b.settings.cpu_bytes_to_use is None
+    chosen = b.plan.store_config["tiers"][0]["capacity_bytes"]
+    host_bytes = (host.size // host.page_size) * b.plan.pools["kv"].codec.block_bytes
+    assert chosen == min(DEFAULT_CPU_MAX, max(DEFAULT_CPU_MIN, host_bytes // 4))
+    slots = b.stats().groups[0].slots
+    assert slots * b.plan.pools["kv"].codec.block_bytes <= chosen and slots >= 8 + 16
 
 
 def test_a_sliding_window_pool_needs_its_window(file_tier: dict[str, Any]) -> None:

@@ -23,7 +23,8 @@ class EngineSettings(BaseModel):
     PREFIX: ClassVar[str] = "extra_config"
     OWN_KEYS: ClassVar[frozenset[str]] = frozenset()
 
-    #: bytes of tierkv's CPU pool, split between the groups by ``plan_pools``
+    #: bytes of tierkv's CPU pool, split between the groups by ``plan_pools`` (an adapter may
+    #: leave it optional and size the pool from what its engine says)
     cpu_bytes_to_use: PositiveInt
     #: lower tiers, fastest first: ``{"kind": "fsspec", "url": ..., "codec": ...}`` and so on
     tiers: list[dict[str, Any]] = Field(default_factory=list)

@@ -72,8 +72,26 @@ class RecordSource(Protocol):
         """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
 
 
+E = TypeVar("E", bound=BaseException)
+
+
+def detach(exc: E) -> E:
+    """``exc`` without its traceback and chained exceptions, to be kept as an item's result: their
+    frames hold the item's buffers (rows of an engine's shared memory among them) in a reference
+    cycle that only a garbage collection would free, so a region could not be unmapped until then."""
+    exc.__traceback__ = None
+    exc.__context__ = None
+    exc.__cause__ = None
+    return exc
+
+
 class WouldBlock(Exception):
     """A read would wait for the device: the record is not (all) in the page cache."""
+
+
+class NoWaitUnsupported(WouldBlock):
+    """The file system refused a non-blocking page-cache read (``RWF_NOWAIT``: EOPNOTSUPP on tmpfs
+    and FUSE, EINVAL on older kernels): read it the blocking way, and stop asking."""
 
 
 
@@ -211,7 +229,7 @@ class Driver:
                 try:
                     out.append(job(i, BytesSource(d)))
                 except OSError as exc:
-                    out.append(exc)
+                    out.append(detach(exc))
             return out
 
         return check_all() if nbytes <= INLINE_BYTES else await self.compute(check_all)

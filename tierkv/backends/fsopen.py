@@ -3,6 +3,7 @@ protocol (local os calls, a synchronous or an asynchronous file system) and S3's
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -13,7 +14,7 @@ from tierkv.backends.fsio import Driver
 from tierkv.backends.localfs import LocalDriver
 from tierkv.backends.redact import redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
-from tierkv.errors import BackendNotFound
+from tierkv.errors import BackendNotFound, ConfigError, install_hint
 
 __all__ = ["S3_FAIL_FAST", "default_io_threads", "default_read_processes", "is_local_url", "open_driver",
            "url_problem"]
@@ -58,6 +59,45 @@ def _split_userinfo(url: str, protocol: str,
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), opts
 
 
+#: options every fsspec file system takes (its listings cache, the instance cache)
+_COMMON_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths",
+                             "skip_instance_cache"})
+#: options of the local driver (fsspec's LocalFileSystem takes auto_mkdir; tierkv makes directories)
+_LOCAL_OPTIONS = frozenset({"auto_mkdir"})
+
+
+def _accepted_options(cls: type) -> frozenset[str] | None:
+    """The keyword options a file system class names in its constructors (None: it takes any)."""
+    names: set[str] = set(_COMMON_OPTIONS)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                names.add(p.name)
+        if klass.__module__.startswith("fsspec.spec"):
+            break  # fsspec's base keeps the rest in .storage_options without using them
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
+            break
+    return frozenset(names)
+
+
+def check_storage_options(protocol: str, cls: type | None, options: dict[str, Any]) -> None:
+    """Refuse a storage option the file system would ignore (a typo is not silently dropped)."""
+    known = _LOCAL_OPTIONS | _COMMON_OPTIONS if cls is None else _accepted_options(cls)
+    if known is None:
+        return
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ConfigError(f"storage_options: {protocol}:// takes no option {unknown[0]!r} (it takes: "
+                          f"{', '.join(sorted(known))})")
+
+
 def is_local_url(url: str) -> bool:
     """Whether ``url`` names this machine's file system (a plain path, ``file://``, ``local://``)."""
     return (urlsplit(url).scheme or "file") in ("file", "local")
@@ -99,6 +139,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     protocol = parts.scheme or "file"
     url, storage_options = _split_userinfo(url, protocol, storage_options)
     if protocol in ("file", "local"):
+        check_storage_options(protocol, None, storage_options)
         parts = urlsplit(url)
         root = (parts.netloc + parts.path) if parts.scheme else url
         if not root.startswith("/"):
@@ -112,20 +153,23 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
         extra = EXTRA_FOR_PROTOCOL.get(protocol)
-        hint = f"; install it with: pip install 'tierkv[{extra}]'" if extra else ""
+        hint = f"; install it with: {install_hint(extra)}" if extra else ""
         raise BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}") from None
     try:
         from_url = cls._get_kwargs_from_urls(url)
     except Exception:
         from_url = {}
-    options = {**from_url, **storage_options}
     s3 = protocol in ("s3", "s3a")
+    options = {**from_url, **storage_options}
+    retries = options.pop("retries", None) if s3 else None  # s3fs's own retry loop: an attribute
+    check_storage_options(protocol, cls, {k: v for k, v in storage_options.items()
+                                          if not (s3 and k == "retries")})
     if s3:
         options["config_kwargs"] = {**S3_FAIL_FAST, **dict(options.get("config_kwargs") or {})}
     if getattr(cls, "async_impl", False):
         fs = cls(asynchronous=True, skip_instance_cache=True, **options)
-        if s3 and "retries" not in storage_options:
-            fs.retries = 1  # s3fs's own retry loop (on top of botocore's): tierkv's bounds instead
+        if s3:  # s3fs's own retry loop (on top of botocore's): tierkv's bounds instead, unless set
+            fs.retries = 1 if retries is None else int(retries)
         root = cls._strip_protocol(url).rstrip("/")
         return AsyncDriver(limiter, fs, retry), root
     fs = cls(skip_instance_cache=True, **options)

@@ -133,6 +133,13 @@ class FsspecTier(Tier):
     def _warn(self, what: str, exc: BaseException) -> None:
         log.warning("%s on %s failed: %s", what, self.describe(), self._redact.error(exc))
 
+    def _warn_batch(self, what: str, errors: list[BaseException], total: int) -> None:
+        """One warning for the failed records of one batch (the first error stands for the rest)."""
+        if errors:
+            more = f" ({len(errors) - 1} more failed alike)" if len(errors) > 1 else ""
+            log.warning("%s: %d of %d records on %s failed: %s%s", what, len(errors), total, self.describe(),
+                        self._redact.error(errors[0]), more)
+
     async def open(self) -> None:
         """Connect, and write the namespace manifest (``layout.json``) unless it is already there.
 
@@ -303,15 +310,17 @@ class FsspecTier(Tier):
         now = time.time()
         ok = [False] * len(keys)
         too_large = 0
+        errors: list[BaseException] = []
         for i, res in enumerate(results):
             if isinstance(res, BaseException):
                 self.count("write_errors")
-                self._warn("writing a record", res)
+                errors.append(res)
             elif res is None:
                 too_large += 1
             else:
                 self._ledger.wrote(paths[i], res, now)
                 ok[i] = True
+        self._warn_batch("writing records", errors, len(keys))
         if too_large:
             self.count("too_large", too_large)
         self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
@@ -347,6 +356,7 @@ class FsspecTier(Tier):
                                                inplace)
         found: list[bool] = []
         corrupt, read_paths, read_sizes = [], [], []
+        errors: list[BaseException] = []
         for path, k, v in zip(paths, keys, verdicts, strict=True):
             if type(v) is int:
                 found.append(True)
@@ -356,7 +366,7 @@ class FsspecTier(Tier):
             found.append(False)
             if isinstance(v, BaseException):
                 self.count("read_errors")
-                self._warn("reading a record", v)
+                errors.append(v)
             elif v is None:
                 self._ledger.forget(path)
             else:
@@ -364,6 +374,7 @@ class FsspecTier(Tier):
                 self.count(f"corrupt_{v}")
                 log.warning("corrupt record (%s) in %s: %s removed", v, self.describe(), k.hex())
                 corrupt.append(path)
+        self._warn_batch("reading records", errors, len(keys))
         # records not known yet were another process's, or not listed yet
         learned, touch = self._ledger.read_many(read_paths, read_sizes, time.time())
         if corrupt:

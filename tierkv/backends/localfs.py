@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -23,9 +24,11 @@ from tierkv.backends.fsio import (
     PAUSE_STEP_S,
     Driver,
     Entry,
+    NoWaitUnsupported,
     RecordSource,
     SpecialFile,
     WouldBlock,
+    detach,
     temp_name,
 )
 from tierkv.backends.readproc import ReaderProcesses
@@ -39,6 +42,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+#: what a file system that cannot read "only from the page cache" answers ``RWF_NOWAIT`` with
+NOWAIT_REFUSED = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 #: a call's items are handed to the worker threads in chunks of about this many bytes (or fewer
 #: items, when that gives every thread a chunk): small enough that the threads end a call
 #: together, large enough that handing chunks out costs nothing next to reading them
@@ -80,6 +85,32 @@ def _open_record(path: str) -> int | None:
         raise _special(exc, path) from None
 
 
+def probe_nowait(directory: str) -> bool | None:
+    """Whether the file system of ``directory`` reads "only what the page cache holds"
+    (``RWF_NOWAIT``); None when no probe file could be written there (a read-only root)."""
+    if RWF_NOWAIT is None:
+        return False
+    path = temp_name(f"{directory}/nowait-probe")  # a temporary: a crashed probe's file is swept
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"tierkv")
+        os.preadv(fd, [bytearray(6)], 0, RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        if exc.errno in NOWAIT_REFUSED:
+            return False
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class LocalSource:
     """A record in a local (or mounted) file.
 
@@ -103,6 +134,10 @@ class LocalSource:
             except BlockingIOError:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
                     raise WouldBlock from None
+                raise
+            except OSError as exc:
+                if exc.errno in NOWAIT_REFUSED and stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise NoWaitUnsupported(exc.errno) from None
                 raise
             if got % _PAGE == 0 and got < sum(memoryview(b).nbytes for b in bufs):
                 # short at a page boundary: the file ends here, or the page cache holds no more
@@ -191,6 +226,10 @@ class LocalDriver(Driver):
         self.read_processes = read_processes if readproc_supported() else 0
         self._readers: ReaderProcesses | None = None
         self._reader_deaths_before = 0
+        #: whether reads first take only what the page cache holds (``RWF_NOWAIT``); off where
+        #: the file system refuses it (tmpfs, FUSE), found by :meth:`prepare` or by a refused read
+        self.nowait = RWF_NOWAIT is not None
+        self.root_hint = "a local tier"
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -208,6 +247,9 @@ class LocalDriver(Driver):
         whether to use direct I/O, by :func:`~tierkv.backends.directio.probe` of ``directory``
         (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when ``direct_io`` is True and
         the file system cannot do it."""
+        self.root_hint = directory
+        if self.nowait and await self.run(probe_nowait, directory) is False:
+            await self._nowait_refused("the probe at start")
         self._start_readers()
         if self.direct_io is False:
             return
@@ -221,6 +263,25 @@ class LocalDriver(Driver):
             raise OSError(errno.EINVAL, "direct_io is true but this file system does not support O_DIRECT "
                           "(older tmpfs, some FUSE mounts); set direct_io to auto or false", directory)
         self.direct = ok
+
+    def features(self) -> dict[str, bool]:
+        """What this file system was found to do: ``direct_io`` (records written past the page
+        cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes)."""
+        return {"direct_io": self.direct, "page_cache_reads": self.nowait}
+
+    async def _nowait_refused(self, how: str) -> None:
+        """Reads wait for the device from now on, and reader processes (which read only the page
+        cache) stop; said once."""
+        if not self.nowait:
+            return
+        self.nowait = False
+        self.read_processes = 0
+        self._count("nowait_refused")
+        log.info("%s: this file system refuses page-cache-only reads (RWF_NOWAIT; seen by %s): every "
+                 "read waits for the file system, no reader processes", self.root_hint, how)
+        readers, self._readers = self._readers, None
+        if readers is not None:
+            await self.run(readers.close)
 
     def _start_readers(self) -> None:
         """Start the helpers once, if wanted and some shared region is live (they map it)."""
@@ -313,7 +374,7 @@ class LocalDriver(Driver):
                 try:
                     results[i] = fn(i)
                 except (OSError, WouldBlock) as exc:
-                    results[i] = exc  # type: ignore[assignment]
+                    results[i] = detach(exc)  # type: ignore[assignment]
 
         parts = max(self.threads, -(-nbytes // CHUNK_BYTES))
         await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
@@ -359,10 +420,13 @@ class LocalDriver(Driver):
         if inplace is not None and self._readers is not None:
             todo = await self._read_in_helpers(self._readers, paths, inplace, results)
         if todo:
-            got = await self.map(lambda j: job(todo[j], LocalSource(paths[todo[j]], nowait=True)),
+            nowait = self.nowait
+            got = await self.map(lambda j: job(todo[j], LocalSource(paths[todo[j]], nowait=nowait)),
                                  len(todo), nbytes * len(todo) // len(paths))
             for i, r in zip(todo, got, strict=True):
                 results[i] = r
+            if any(isinstance(r, NoWaitUnsupported) for r in got):
+                await self._nowait_refused("a read")
         cold = [i for i in todo if isinstance(results[i], WouldBlock)]
         if cold:
             if self._cold is None:
@@ -375,7 +439,7 @@ class LocalDriver(Driver):
                 try:
                     results[i] = job(i, LocalSource(paths[i]))
                 except OSError as exc:
-                    results[i] = exc
+                    results[i] = detach(exc)
 
             await self._run_all([functools.partial(one, i) for i in cold], stop, self._cold)
         return results

@@ -6,7 +6,7 @@ import importlib
 from importlib.metadata import entry_points
 
 from tierkv.backends.base import Tier
-from tierkv.errors import BackendNotFound
+from tierkv.errors import BackendNotFound, install_hint
 
 __all__ = ["ENTRY_POINT_GROUP", "available_backends", "get_backend", "register_backend"]
 
@@ -58,7 +58,7 @@ def get_backend(kind: str) -> type[Tier]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f"; install it with: pip install 'tierkv[{extra}]'" if extra else ""
+        hint = f"; install it with: {install_hint(extra)}" if extra else ""
         raise BackendNotFound(f"tier backend {kind!r} cannot be imported ({exc}){hint}") from exc
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Tier)):

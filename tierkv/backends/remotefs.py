@@ -13,7 +13,16 @@ from typing import Any, TypeVar, cast
 
 import anyio
 
-from tierkv.backends.fsio import BytesSource, Driver, Entry, RecordSource, abs_path, info_mtime, temp_name
+from tierkv.backends.fsio import (
+    BytesSource,
+    Driver,
+    Entry,
+    RecordSource,
+    abs_path,
+    detach,
+    info_mtime,
+    temp_name,
+)
 
 __all__ = ["AsyncDriver", "RetryPolicy", "SyncDriver", "transient"]
 
@@ -45,7 +54,7 @@ class SyncDriver(Driver):
                 await self._call(self._write_one, path, data)
                 out.append(None)
             except Exception as exc:  # any file system's error is this item's failure
-                out.append(exc)
+                out.append(detach(exc))
         return out
 
     def _read_one(self, path: str, limit: int) -> bytes | None:
@@ -62,7 +71,7 @@ class SyncDriver(Driver):
             try:
                 out.append(await self._call(self._read_one, p, limit))
             except Exception as exc:
-                out.append(exc)
+                out.append(detach(exc))
         return out
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
@@ -198,14 +207,14 @@ class AsyncDriver(Driver):
                 try:
                     results[i] = await self._attempt(fn, args[i])
                 except FileNotFoundError as exc:
-                    results[i] = None if absent_ok else exc
+                    results[i] = None if absent_ok else detach(exc)
                 except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
-                    results[i] = exc
+                    results[i] = detach(exc)
             if then is not None:
                 try:
                     results[i] = then(i, results[i])
                 except Exception as exc:  # that item's error: the other requests go on
-                    results[i] = exc
+                    results[i] = detach(exc)
 
         # ``one`` never raises: a plain gather (a quarter of a task group's cost per request)
         await asyncio.gather(*(one(i) for i in range(len(args))))

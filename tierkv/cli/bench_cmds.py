@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from tierkv.cli.common import (
     run_async,
     warn,
 )
+from tierkv.errors import BenchError
 
 __all__ = ["add_bench", "break_even_tokens"]
 
@@ -57,7 +59,13 @@ def add_bench(sub: Any) -> None:
     t.add_argument("--recompute-tokens-per-s", type=positive_float, default=10000.0,
                    help="the engine's prefill throughput, for the break-even prompt length")
     t.add_argument("--codec", choices=["none", "zstd", "zstd-shuffle"], default="none", help="record codec")
-    t.add_argument("--no-cold", action="store_true", help="skip the cold read (page cache dropped)")
+    t.add_argument("--no-drop-caches", "--no-cold", dest="no_cold", action="store_true",
+                   help="never drop the page cache (as root the cold read drops the whole machine's, "
+                        "and says so): no cold read")
+    t.add_argument("--rounds", type=positive_int, default=3,
+                   help="timed reads of every block, warm and cold (the median is used)")
+    t.add_argument("--samples", type=positive_int, default=21,
+                   help="first-block reads timed for the latency (the median is used; spread shown)")
     t.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     t.set_defaults(func=_bench_tier)
     s = bsub.add_parser("serving", formatter_class=Formatter, add_help=False,
@@ -128,8 +136,9 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
             await store.flush()
             st = store.stats().tiers[1]
             if st.stores != n:
-                raise RuntimeError(f"{st.stores} of {n} blocks were stored ({st.stores_failed} failed, "
-                                   f"{st.stores_shed} shed): the tier does not keep up or fails")
+                raise BenchError(f"{args.url}: {st.stores} of {n} blocks were stored ({st.stores_failed} "
+                                 f"failed, {st.stores_shed} shed; the warnings above say why): is the file "
+                                 "system full or read-only, or does the tier not keep up?")
         res["write_mb_s"] = n * block / (time.perf_counter() - t0) / 1e6
 
         async def restore(hs: list[bytes], rows: Any) -> float:
@@ -140,15 +149,29 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
                 await reader.get(0, hs, rows, request_id="bench")
                 return time.perf_counter() - t
 
-        res["latency_s"] = await restore(hashes[:1], out[:1])
-        res["read_warm_mb_s"] = n * block / await restore(hashes, out) / 1e6
+        samples = await _first_block_latencies(cfg, hashes, out, min(args.samples, n))
+        res["latency_samples_s"] = samples
+        res["latency_s"] = statistics.median(samples)
+        await restore(hashes, out)  # direct writes left nothing in the page cache: this fills it
+        warm = [n * block / await restore(hashes, out) / 1e6 for _ in range(args.rounds)]
+        res["read_warm_mb_s"] = statistics.median(warm)
+        res["read_warm_samples_mb_s"] = warm
         advance(n)
         if not torch.equal(out, data):
-            raise RuntimeError("the blocks read back differ from those written")
+            raise BenchError("the blocks read back differ from those written")
         res["read_cold_mb_s"] = None
         if not args.no_cold and is_local_url(args.url):
-            if _drop_caches():
-                res["read_cold_mb_s"] = n * block / await restore(hashes, out) / 1e6
+            if _may_drop_caches():
+                warn("dropping the whole machine's page cache for the cold read (sync; echo 3 > "
+                     "/proc/sys/vm/drop_caches); --no-drop-caches skips it")
+            cold: list[float] = []
+            for _ in range(args.rounds):
+                if not _drop_caches():
+                    break
+                cold.append(n * block / await restore(hashes, out) / 1e6)
+            if cold:
+                res["read_cold_mb_s"] = statistics.median(cold)
+                res["read_cold_samples_mb_s"] = cold
             else:
                 res["cold_note"] = "the page cache could not be dropped (needs root): cold read skipped"
         advance(n)
@@ -161,7 +184,33 @@ async def _measure(args: argparse.Namespace, advance: Any) -> dict[str, Any]:
     res["recompute_tokens_per_s"] = args.recompute_tokens_per_s
     res["break_even_tokens"] = break_even_tokens(read * 1e6, res["latency_s"], bpt,
                                                  args.recompute_tokens_per_s)
+    q1, _, q3 = statistics.quantiles(res["latency_samples_s"], n=4) if len(samples) > 1 else [samples[0]] * 3
+    spread = [break_even_tokens(read * 1e6, lat, bpt, args.recompute_tokens_per_s) for lat in (q1, q3)]
+    res["break_even_tokens_iqr"] = spread if None not in spread else None
     return res
+
+
+async def _first_block_latencies(cfg: dict[str, Any], hashes: list[bytes], out: Any, k: int) -> list[float]:
+    """Seconds from the first lookup to a block in hand, for ``k`` blocks not yet in the primary,
+    after one untimed read (the store's threads and file handles start on the first)."""
+    from tierkv import Lookup, TieredStore
+
+    async with TieredStore(cfg) as reader:
+        times = []
+        for i in range(k + 1):
+            hs = hashes[i % len(hashes):i % len(hashes) + 1]
+            t = time.perf_counter()
+            while reader.lookup_prefix(hs, request_id=f"lat{i}").state is Lookup.PENDING:
+                await anyio.sleep(0.0002)
+            await reader.get(0, hs, out[:1], request_id=f"lat{i}")
+            if i:
+                times.append(time.perf_counter() - t)
+            reader.release(f"lat{i}")
+        return times
+
+
+def _may_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
 def _bench_tier(args: argparse.Namespace) -> int:
@@ -173,10 +222,13 @@ def _bench_tier(args: argparse.Namespace) -> int:
         return 0
     cold = res["read_cold_mb_s"]
     title = f"{res['url']}: {res['blocks']} blocks x {res['block_bytes'] >> 10} KiB, codec {res['codec']}"
+    lat = res["latency_samples_s"]
     print_table(title,
                 ("write MB/s", "read MB/s (warm)", "read MB/s (cold)", "first block (ms)"),
                 [(f"{res['write_mb_s']:,.0f}", f"{res['read_warm_mb_s']:,.0f}",
-                  "-" if cold is None else f"{cold:,.0f}", f"{res['latency_s'] * 1e3:.1f}")])
+                  "-" if cold is None else f"{cold:,.0f}",
+                  f"{res['latency_s'] * 1e3:.2f} (median of {len(lat)}: {min(lat) * 1e3:.2f}-"
+                  f"{max(lat) * 1e3:.2f})")])
     if res.get("cold_note"):
         warn(res["cold_note"])
     out = console()
@@ -186,8 +238,10 @@ def _bench_tier(args: argparse.Namespace) -> int:
         out.print(f"at {rate:,.0f} tokens/s of recompute, restoring from this tier never beats recomputing "
                   "(it reads slower than the engine computes)")
     else:
+        iqr = res["break_even_tokens_iqr"]
+        spread = f" (first-block quartiles: {iqr[0]:,.0f}-{iqr[1]:,.0f})" if iqr else ""
         out.print(f"at {rate:,.0f} tokens/s of recompute, restoring beats recomputing for prompts "
-                  f"longer than {be:,.0f} tokens")
+                  f"longer than {be:,.0f} tokens{spread}")
     return 0
 
 

@@ -69,8 +69,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
         return rc
     out = console()
+    others = len(report.other_files) + sum(ns.other_files for ns in report.namespaces)
     out.print(f"{report.url}: {len(report.namespaces)} namespace(s), {report.temp_files} temporary file(s), "
-              f"{len(report.other_files)} other file(s)")
+              f"{others} other file(s)")
     if report.hint:
         warn(report.hint)
     for ns in report.namespaces:

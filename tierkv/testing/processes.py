@@ -8,9 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["kill_group", "spawn"]
+from tierkv.errors import TierKVError
+
+__all__ = ["CHILD_ERROR", "child_failure", "kill_group", "run_child", "spawn"]
 
 try:  # loaded up front: no dlopen in a child between fork and exec
     _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -43,3 +46,26 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
             proc.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
+
+
+#: the prefix of the one line a child process run by :func:`run_child` ends with when it fails on
+#: purpose (a tierkv error, an OS error): the parent repeats that line, not the child's traceback
+CHILD_ERROR = "tierkv-child-error: "
+
+
+def run_child(main: Callable[[], object]) -> None:
+    """Run a child process's ``main``: a tierkv or OS error ends it with one line and exit 2."""
+    try:
+        main()
+    except (TierKVError, OSError) as exc:
+        print(f"{CHILD_ERROR}{str(exc) or type(exc).__name__}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def child_failure(what: str, stderr: str) -> TierKVError:
+    """The error a parent raises for a failed child: its one-line reason when :func:`run_child` gave
+    one, else the end of its stderr."""
+    for line in reversed(stderr.splitlines()):
+        if line.startswith(CHILD_ERROR):
+            return TierKVError(f"{what}: {line[len(CHILD_ERROR):]}")
+    return TierKVError(f"{what}: {stderr.strip()[-500:] or 'it exited with no message'}")

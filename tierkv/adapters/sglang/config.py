@@ -8,7 +8,11 @@ from pydantic import PositiveFloat, PositiveInt
 
 from tierkv.adapters.settings import EngineSettings
 
-__all__ = ["PREFIX", "SGLANG_OWN_KEYS", "SGLangConfig"]
+__all__ = ["DEFAULT_CPU_MAX", "DEFAULT_CPU_MIN", "PREFIX", "SGLANG_OWN_KEYS", "SGLangConfig"]
+
+#: bounds of the CPU pool that tierkv sizes itself when ``cpu_bytes_to_use`` is not given
+DEFAULT_CPU_MIN = 256 << 20
+DEFAULT_CPU_MAX = 8 << 30
 
 #: keys of the extra config that SGLang itself reads (the factory, the controller); passed over
 SGLANG_OWN_KEYS = frozenset({
@@ -28,6 +32,9 @@ class SGLangConfig(EngineSettings):
     PREFIX: ClassVar[str] = PREFIX
     OWN_KEYS: ClassVar[frozenset[str]] = SGLANG_OWN_KEYS
 
+    #: bytes of tierkv's CPU pool; unset: a quarter of the bytes of SGLang's registered host pools,
+    #: within [``DEFAULT_CPU_MIN``, ``DEFAULT_CPU_MAX``] (docs/sglang.md, Sizing)
+    cpu_bytes_to_use: PositiveInt | None = None  # type: ignore[assignment]
     #: explicit slots of tierkv's CPU pool per SGLang pool name (``kv``, ``mamba``, ``swa``, ...)
     slots: dict[str, PositiveInt] | None = None
     #: sliding window in pages per sliding-window pool name (required for each such pool)

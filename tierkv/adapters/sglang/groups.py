@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.adapters.sglang.config import PREFIX, SGLangConfig
+from tierkv.adapters.sglang.config import DEFAULT_CPU_MAX, DEFAULT_CPU_MIN, PREFIX, SGLangConfig
 from tierkv.adapters.sglang.pages import PageCodec, codec_for
 from tierkv.errors import ConfigError
 from tierkv.layout import GroupSpec, Layout
 
-__all__ = ["PoolGroup", "StorePlan", "kind_of", "plan_store", "rank_identity"]
+__all__ = ["PoolGroup", "StorePlan", "default_cpu_bytes", "kind_of", "plan_store", "rank_identity"]
 
 _RECURRENT = frozenset({"mamba"})
 _SLIDING = frozenset({"swa", "auxiliary_swa", "draft_swa"})
@@ -85,6 +85,23 @@ def _check_names(settings: SGLangConfig, names: list[str]) -> None:
                                   f"{', '.join(names)})")
 
 
+def default_cpu_bytes(pools: Mapping[str, Any], groups: Mapping[str, PoolGroup],
+                      settings: SGLangConfig) -> int:
+    """tierkv's CPU pool when ``cpu_bytes_to_use`` is not given: a quarter of the host pools' bytes
+    (pages x page bytes; a pool that does not say its size counts as 1 GiB), never less than what
+    holds ``max_concurrent_requests`` + 16 pages of every pool, within [DEFAULT_CPU_MIN,
+    DEFAULT_CPU_MAX]."""
+    host = 0
+    floor = 0
+    for name, g in groups.items():
+        pool = pools[name]
+        tokens = int(getattr(pool, "size", 0) or 0)
+        pages = tokens // g.codec.page_size if tokens else 0
+        host += pages * g.codec.block_bytes if pages else 1 << 30
+        floor += (settings.max_concurrent_requests + 16) * g.codec.block_bytes
+    return max(floor, min(DEFAULT_CPU_MAX, max(DEFAULT_CPU_MIN, host // 4)))
+
+
 def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config: Any) -> StorePlan:
     """Groups, layout, namespace and store config for the host pools SGLang registered
     (name -> pool, the KV pool first); :class:`ConfigError` names a missing or bad key."""
@@ -117,7 +134,8 @@ def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config:
     namespace = f"sglang|{identity}|pools={pool_part}"
     if settings.namespace:
         namespace += f"|{settings.namespace}"
-    primary: dict[str, Any] = {"kind": "cpu", "capacity_bytes": settings.cpu_bytes_to_use}
+    cpu_bytes = settings.cpu_bytes_to_use or default_cpu_bytes(pools, groups, settings)
+    primary: dict[str, Any] = {"kind": "cpu", "capacity_bytes": cpu_bytes}
     if settings.slots:
         primary["slots"] = {groups[n].group: v for n, v in settings.slots.items()}
     store_config = {"layout": layout, "namespace": namespace,

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierkv.adapters.vllm.config import AdapterConfig
+from tierkv.adapters.vllm.cpu import cpu_kv_format, ensure_amx_permission
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
@@ -51,6 +52,10 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.settings = AdapterConfig.from_extra(config.extra_config)
+        # vLLM builds the spec in its worker process before the first step: AMX attention on a
+        # restored prefix may be that process's first AMX instruction (tierkv/adapters/vllm/cpu.py)
+        self.amx = ensure_amx_permission()
+        log.info("tierkv: AMX tile permission in process %d: %s", os.getpid(), self.amx)
         if self.blocks_per_chunk != 1:
             raise ConfigError("kv_connector_extra_config.blocks_per_chunk / block_size: tierkv stores one"
                               " engine block per offload key; leave both unset")
@@ -65,8 +70,11 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         self.shm_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.pool")
         self.manifest_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.json")
         model = config.model
+        from vllm.platforms import current_platform
+
+        kv_format = cpu_kv_format(bool(current_platform.is_cpu()))
         self.namespace = "|".join([str(model.name), str(model.dtype), f"ws{self.world_size}",
-                                   self.settings.namespace])
+                                   *([kv_format] if kv_format else []), self.settings.namespace])
         self._manager: TierKVOffloadingManager | None = None
 
     def _layout(self, block_bytes: dict[int, int]) -> Layout:
