@@ -1,22 +1,27 @@
-"""The ``file://`` tier on the file systems users mount for it: tmpfs here (``/dev/shm``), which
-refuses page-cache-only reads (``RWF_NOWAIT``), so every restore must still be served, once the
-tier has noticed, said so once, and stopped asking."""
+"""The storage users run: the ``file://`` tier on tmpfs (``/dev/shm``), which refuses page-cache-only
+reads (``RWF_NOWAIT``), and tiers that are silent, stalled or down when a store starts."""
 
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from helpers import blocks, hashes
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends import localfs
+from tierkv.errors import BackendError
 
 pytestmark = pytest.mark.anyio
 
@@ -85,3 +90,100 @@ async def test_a_refused_page_cache_read_falls_back_in_the_same_call(
         assert torch.equal(await _restore(store, hs), data)
         backend = store.stats().tiers[1].backend
         assert backend.get("nowait_refused") == 1 and backend.get("read_errors", 0) == 0
+
+
+# ---- tiers that are silent, stalled or down at start -------------------------------------------------
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A loopback socket that accepts connections and never answers (a hung S3 server)."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+
+
+def _s3_tier(endpoint: str, **kw: object) -> dict[str, object]:
+    return {"kind": "fsspec", "url": "s3://silent-bucket/kv", "open_timeout_s": 2, "retry_attempts": 1,
+            "storage_options": {"endpoint_url": endpoint, "key": "k", "secret": "s"}, **kw}
+
+
+async def test_a_silent_s3_endpoint_never_holds_the_start(silent_endpoint: str) -> None:
+    hs, data = hashes(4, doc=5), blocks(4, BB, seed=5)
+    cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [{"kind": "cpu", "slots": {0: 16}},
+                                                          _s3_tier(silent_endpoint)]}
+    t0 = time.monotonic()
+    async with TieredStore(cfg) as store:
+        assert time.monotonic() - t0 < 2 + 3, "the start waited longer than open_timeout_s"
+        st = store.stats().tiers[1]
+        assert st.up == 0 and st.down_reason
+        await store.put(0, hs, data)  # the primary serves; the tier's share waits for it
+        assert store.lookup_prefix(hs).state is Lookup.HIT
+        t1 = time.monotonic()
+    assert time.monotonic() - t1 < 35  # close's bound
+
+
+async def test_a_required_tier_that_is_silent_fails_the_start_naming_the_endpoint(silent_endpoint: str) -> None:
+    cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [{"kind": "cpu", "slots": {0: 16}},
+                                                          _s3_tier(silent_endpoint, required=True)]}
+    t0 = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        async with TieredStore(cfg):
+            pass
+    assert time.monotonic() - t0 < 2 + 3
+    message = str(info.value)
+    assert "required" in message and "s3://silent-bucket/kv" in message and "open_timeout_s=2" in message
+
+
+class StallingMemory(MemoryFileSystem):
+    """A memory file system whose reads stall while ``stall`` is set (a hung server)."""
+
+    protocol = "stallmem"
+    stall = threading.Event()
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: object) -> bytes:
+        while self.stall.is_set():
+            time.sleep(0.01)
+        return bytes(super().cat_file(path, start=start, end=end, **kw))
+
+
+@pytest.fixture
+def stalling() -> Iterator[type[StallingMemory]]:
+    fsspec.register_implementation("stallmem", StallingMemory, clobber=True)
+    StallingMemory.stall.set()
+    yield StallingMemory
+    StallingMemory.stall.clear()
+
+
+async def test_a_file_system_that_stalls_at_start_joins_when_it_answers(
+        stalling: type[StallingMemory]) -> None:
+    hs, data = hashes(4, doc=6), blocks(4, BB, seed=6)
+    root = f"stallmem://t{uuid.uuid4().hex[:8]}"
+    cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [
+        {"kind": "cpu", "slots": {0: 16}},
+        {"kind": "fsspec", "url": root, "open_timeout_s": 1, "health_interval_s": 0.2}]}
+    t0 = time.monotonic()
+    async with TieredStore(cfg) as store:
+        assert time.monotonic() - t0 < 1 + 2
+        assert store.stats().tiers[1].up == 0
+        await store.put(0, hs, data)
+        stalling.stall.clear()  # it answers again: it joins, and what waited for it is written
+        with anyio.fail_after(20):
+            while not (st := store.stats().tiers[1]).up or st.stores < 4:
+                await anyio.sleep(0.05)
+        assert st.stores == 4 and st.stores_requeued == 4
+    async with TieredStore(cfg) as again:  # a new process restores what was written late
+        assert torch.equal(await _restore(again, hs), data)
+
+
+async def test_cancellation_cuts_a_start_that_waits_for_a_tier(stalling: type[StallingMemory]) -> None:
+    cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [
+        {"kind": "cpu", "slots": {0: 16}},
+        {"kind": "fsspec", "url": f"stallmem://c{uuid.uuid4().hex[:8]}", "open_timeout_s": 60}]}
+    t0 = time.monotonic()
+    with anyio.move_on_after(1):
+        async with TieredStore(cfg):
+            pytest.fail("the start cannot have finished: the tier stalls and is waited for 60 s")
+    assert time.monotonic() - t0 < 1 + 3

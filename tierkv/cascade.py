@@ -35,14 +35,17 @@ class Cascader:
         #: key -> [row, cascades left, whether a tier took it]
         self.staged: dict[bytes, list[object]] = {}
         self.running = 0
+        #: blocks of admitted cascades not finished yet, per tier index
+        self.pending: dict[int, int] = {}
         #: staged blocks no tier took: held by nothing once their cascades ended
         self.dropped = 0
         self._idle = anyio.Event()
         self._idle.set()
 
     def start(self, group: int, keys: list[bytes], slots: list[int] | None,
-              copy: torch.Tensor | None) -> int:
-        """Cascade ``keys`` (in ``slots`` of the primary, or rows of ``copy``) to every lower tier.
+              copy: torch.Tensor | None, only: TierGateway | None = None) -> int:
+        """Cascade ``keys`` (in ``slots`` of the primary, or rows of ``copy``) to every lower tier
+        (or ``only`` that one: a retry).
 
         Returns how many tiers admitted at least one of the keys (0: nothing will hold a staged
         copy). Call under the lock.
@@ -50,7 +53,10 @@ class Cascader:
         pool = self._pools[group]
         now = time.monotonic()
         admitted = 0
-        for gw in self._gateways:
+        for gw in self._gateways if only is None else [only]:
+            if not gw.up and only is None:
+                gw.requeue(group, keys)  # written when the tier answers, if still in the primary
+                continue
             idx = [i for i, k in enumerate(keys) if gw.presence(group, k, now) is not True]
             gw.stats.stores_skipped += len(keys) - len(idx)
             if not idx:
@@ -76,6 +82,7 @@ class Cascader:
             if self.running == 0:
                 self._idle = anyio.Event()
             self.running += 1
+            self.pending[gw.index] = self.pending.get(gw.index, 0) + len(sub_keys)
             self._bridge.spawn(self._run, gw, group, sub_keys, src, rows, sub_slots, nbytes)
         return admitted
 
@@ -86,6 +93,7 @@ class Cascader:
             ok = await gw.store(group, keys, src, rows, nbytes)
         finally:
             with self._bridge.lock:
+                self.pending[gw.index] -= len(keys)
                 self._done(group, keys, slots, ok)
 
     def _done(self, group: int, keys: list[bytes], slots: list[int] | None, ok: list[bool]) -> None:

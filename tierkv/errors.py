@@ -22,6 +22,7 @@ __all__ = [
     "LayoutError",
     "StoreClosed",
     "TierKVError",
+    "TierUnavailable",
     "format_validation_error",
     "install_hint",
 ]
@@ -73,6 +74,11 @@ class CorruptRecord(TierKVError):
 
 class BackendError(TierKVError):
     """A tier's backend failed an operation (I/O error, remote error)."""
+
+
+class TierUnavailable(BackendError):
+    """A tier does not answer now (down, unreachable, hung): a store opens without it and
+    attaches it when it answers, unless the tier is ``required``."""
 
 
 class BackendNotFound(TierKVError, LookupError):

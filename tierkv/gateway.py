@@ -28,6 +28,7 @@ import anyio
 import torch
 
 from tierkv.backends.base import Tier
+from tierkv.backends.fsio import unavailable
 from tierkv.errors import BackendError
 from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.pool import contiguous_run, wide_view
@@ -38,6 +39,8 @@ __all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
 log = logging.getLogger("tierkv")
 
 MIB = 1 << 20
+#: batches in a row that fail because the tier does not answer before it is taken for down
+DOWN_AFTER_FAILURES = 3
 EMA_ALPHA = 0.2
 PRESENCE_CACHE_ENTRIES = 1 << 20
 #: keys a tier event updates per hold of the lock
@@ -149,7 +152,7 @@ class TierGateway:
     and ``read_concurrency`` limiter, so stores never delay them.
     """
 
-    def __init__(self, index: int, tier: Tier, lock: threading.RLock | None = None) -> None:
+    def __init__(self, index: int, tier: Tier, lock: threading.RLock | None = None, up: bool = True) -> None:
         self.index = index
         self.tier = tier
         self.cfg = tier.config
@@ -178,7 +181,51 @@ class TierGateway:
         self.probing: set[bytes] = set()
         #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
         self.version = 0
+        #: whether the tier answers: False until it opened, and while it is down (a write of a
+        #: whole batch failed, a probe or a read raised) until a health check answers again
+        self.up = up
+        self.down_reason = "" if up else "not opened yet"
+        self._unavailable_seen = 0
+        #: the last batches of writes that failed wholly because the tier did not answer
+        self._failing: collections.deque[tuple[int, list[bytes]]] = collections.deque(
+            maxlen=DOWN_AFTER_FAILURES)
+        self._failed_reads = 0
+        self._was_up = up
+        #: failed writes of blocks that may still be in the primary, written again once the tier
+        #: is up: (group, key) -> attempts so far
+        self.redo: OrderedDict[tuple[int, bytes], int] = OrderedDict()
         tier.add_listener(self._on_tier_event)
+
+    # ---- availability ---------------------------------------------------------------------------
+    def set_up(self, up: bool, reason: str = "") -> None:
+        """The tier answers again (``up``), or it does not (``reason`` says why). Under the lock."""
+        if up == self.up:
+            return
+        self.up = up
+        self.down_reason = "" if up else reason
+        self.version += 1  # lookups answer again: a tier that is down holds nothing
+        if up:
+            if self._was_up:
+                log.info("tier %d (%s) answers again", self.index, self.tier.describe())
+            self._was_up = True
+        else:
+            log.warning("tier %d (%s) is down: %s; lookups do without it, failed writes are retried "
+                        "when it answers", self.index, self.tier.describe(), reason)
+
+    def requeue(self, group: int, keys: Sequence[bytes], attempts: int = 1) -> None:
+        """Queue failed writes for a retry (bounded: past ``retry_queue_blocks`` the oldest go,
+        counted). Under the lock."""
+        limit = self.cfg.retry_queue_blocks
+        for k in keys:
+            if limit <= 0:
+                self.stats.stores_requeue_dropped += 1
+                continue
+            self.redo[(group, k)] = attempts
+            self.redo.move_to_end((group, k))
+            self.stats.stores_requeued += 1
+            while len(self.redo) > limit:
+                self.redo.popitem(last=False)
+                self.stats.stores_requeue_dropped += 1
 
     # ---- presence -------------------------------------------------------------------------------
     @property
@@ -187,7 +234,9 @@ class TierGateway:
         return self.tier.capabilities.fast_contains
 
     def presence(self, group: int, key: bytes, now: float) -> bool | None:
-        """True / False when known, None when a probe is needed."""
+        """True / False when known, None when a probe is needed (False while the tier is down)."""
+        if not self.up:
+            return False
         entry = self._presence.get(key)
         if entry is not None and entry[1] < now:
             del self._presence[key]
@@ -199,6 +248,8 @@ class TierGateway:
 
     def presence_many(self, group: int, keys: list[bytes], now: float) -> list[bool | None]:
         """:meth:`presence` of many keys."""
+        if not self.up:
+            return [False] * len(keys)
         cache = self._presence
         get = cache.get
         out: list[bool | None] = []
@@ -316,6 +367,7 @@ class TierGateway:
         rows = list(range(len(keys))) if rows is None else rows
         elapsed: float | None = None
         acquired = False
+        raised: list[BaseException] = []
 
         async def put(plan: RowPlan) -> None:
             sub = [keys[i] for i in plan.positions]
@@ -332,6 +384,7 @@ class TierGateway:
                 for i, good in zip(plan.positions, res, strict=True):
                     ok[i] = bool(good)
             except Exception as exc:  # a failing lower tier never reaches the caller
+                raised.append(exc)
                 log.warning("writing %d blocks to tier %d (%s) failed: %s", len(sub), self.index,
                             self.tier.describe(), _why(exc))
 
@@ -355,12 +408,44 @@ class TierGateway:
                 n_ok = sum(ok)
                 self.stats.stores += n_ok
                 self.stats.stores_failed += len(keys) - n_ok
+                if n_ok < len(keys):
+                    failed = [k for k, good in zip(keys, ok, strict=True) if not good]
+                    self._after_failed_store(group, failed, n_ok, raised)
+                else:
+                    self._failing.clear()
                 self.stats.bytes_written += n_ok * block
                 if elapsed is not None and nbytes:
                     sample = elapsed / (nbytes / MIB)
                     self.ema_s_per_mib = sample if self.ema_s_per_mib == 0.0 else (
                         self.ema_s_per_mib + EMA_ALPHA * (sample - self.ema_s_per_mib))
         return ok
+
+    def _unavailable_errors(self) -> int:
+        """New errors that said the tier does not answer (the tier counts them) since last asked."""
+        seen = self.tier.counters.get("unavailable_errors", 0)
+        new, self._unavailable_seen = seen - self._unavailable_seen, seen
+        return new
+
+    def _after_failed_store(self, group: int, failed: list[bytes], n_ok: int,
+                            raised: list[BaseException]) -> None:
+        """Writes failed because the tier does not answer (not a full disk, not a record too large):
+        the failed keys wait for a retry, and the tier is down when none of the batch was written."""
+        down = [e for e in raised if unavailable(e)]
+        if not (self._unavailable_errors() or down) or n_ok:
+            return
+        self._failing.append((group, failed))
+        if len(self._failing) < DOWN_AFTER_FAILURES:
+            return  # one failed batch is a fault; several in a row, an outage
+        self.set_up(False, _why(down[0]) if down else "writes fail: it does not answer")
+        for g, keys in self._failing:
+            self.requeue(g, keys)
+        self._failing.clear()
+
+    def _read_failed(self, why: str) -> None:
+        """A read or probe failed because the tier did not answer; several in a row: it is down."""
+        self._failed_reads += 1
+        if self._failed_reads >= DOWN_AFTER_FAILURES:
+            self.set_up(False, why)
 
     # ---- loads ----------------------------------------------------------------------------------
     async def load(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
@@ -428,11 +513,18 @@ class TierGateway:
         try:
             async with self._read_limiter:
                 found = list(await self.tier.get(group, keys, buf))
+            with self._lock:
+                if self._unavailable_errors() and not any(found):
+                    self._read_failed("reads fail: it does not answer")
+                elif any(found):
+                    self._failed_reads = 0
         except Exception as exc:
             log.warning("reading %d blocks from tier %d (%s) failed: %s", len(keys), self.index,
                         self.tier.describe(), _why(exc))
             with self._lock:
                 self.tier.count("read_errors")
+                if unavailable(exc):
+                    self._read_failed(_why(exc))
             found = [False] * len(keys)
         finally:
             with self._lock:
@@ -472,10 +564,13 @@ class TierGateway:
             with self._lock:
                 self.note_many(keys, found, time.monotonic())
                 self.stats.probes += len(keys)
+                self._failed_reads = 0
         except Exception as exc:
             log.warning("probing tier %d (%s) failed: %s", self.index, self.tier.describe(), _why(exc))
             with self._lock:
                 self.tier.count("probe_errors")
+                if unavailable(exc):
+                    self._read_failed(_why(exc))
                 now = time.monotonic()
                 for k in keys:
                     self.note(k, False, now)
@@ -500,8 +595,10 @@ class TierGateway:
         s.read_bytes_per_s = self.read_bytes_per_s
         s.load_seconds = self.load_seconds.snapshot()
         s.store_seconds = self.store_seconds.snapshot()
-        s.used_bytes = self.tier.used_bytes()
+        s.used_bytes = self.tier.used_bytes() if self.up else None
         s.backend = dict(self.tier.counters)
+        s.up = int(self.up)
+        s.down_reason = self.down_reason
         return s
 
 

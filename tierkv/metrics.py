@@ -82,6 +82,13 @@ class TierStats(BaseModel):
     queued_bytes: int = 0
     load_inflight_bytes: int = 0
     inflight_ops: int = 0
+    #: 1 while the tier answers (the primary always), 0 while it is down or not attached yet
+    up: int = 1
+    stores_requeued: int = 0
+    stores_requeue_dropped: int = 0
+    stores_abandoned: int = 0
+    #: why the tier is down (empty while it is up)
+    down_reason: str = ""
     store_s_per_mib: float = 0.0
     #: measured aggregate read rate (the configured prior until the first load)
     read_bytes_per_s: float = 0.0
@@ -189,6 +196,13 @@ TIER_METRICS: dict[str, Metric] = {
     "load_inflight_bytes": Metric("tier_load_inflight_bytes", "gauge", "Bytes of loads being read", _TIER),
     "read_bytes_per_s": Metric("tier_read_bytes_per_second", "gauge",
                                "Measured read rate of the tier (the cost model's input)", _TIER),
+    "up": Metric("tier_up", "gauge", "1 while the tier answers, 0 while it is down or not attached", _TIER),
+    "stores_requeued": Metric("tier_stores_requeued_total", "counter",
+                              "Failed writes queued to be written again when the tier answers", _TIER),
+    "stores_requeue_dropped": Metric("tier_stores_requeue_dropped_total", "counter",
+                                     "Failed writes not retried (queue full, left the primary)", _TIER),
+    "stores_abandoned": Metric("tier_stores_abandoned_total", "counter",
+                               "Blocks close() could not write within close_timeout_s", _TIER),
 }
 #: per tier, from the backend's own counters: name -> metric
 BACKEND_METRICS: dict[str, Metric] = {

@@ -28,6 +28,7 @@ import anyio
 import torch
 
 from tierkv.admission import Admission
+from tierkv.availability import TierWatch
 from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
@@ -36,7 +37,7 @@ from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
 from tierkv.costmodel import CostModel
 from tierkv.engine import EngineSlots, Reservation, pool_for
-from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
+from tierkv.errors import BackendError, ConfigError, InvalidArgument, StoreClosed
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
@@ -88,6 +89,7 @@ class TieredStore:
         self._engine: EngineSlots | None = None
         self._reader: Reader | None = None
         self._metrics: Any = None
+        self._watches: list[TierWatch] = []
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         cfg = self.config
@@ -106,20 +108,38 @@ class TieredStore:
         await self.close()
 
     async def open(self) -> None:
-        """Open every tier and start background work. Prefer ``async with``."""
+        """Open the primary, start background work, and open the lower tiers: each is waited for
+        at most its ``open_timeout_s``; one that has not answered by then joins when it answers
+        (``required: true`` fails the start instead; so does a tier set up wrong). Prefer
+        ``async with``."""
         if self._open:
             return
-        opened: list[Tier] = []
+        await self._primary.open()
         try:
-            for t in self._tiers:
-                await t.open()
-                opened.append(t)
+            self._wire()
+            await self._start_metrics()
+            await self._bridge.start()
         except BaseException:
-            await _close_all(opened)
+            await _close_all([self._primary])
             raise
+        self._open = True
+        self._bridge.spawn(self._lease_sweeper)
+        self._bridge.spawn(_guarded, self._primary.background)
+        self._watches = [TierWatch(self._bridge, gw, self._pools, self._recascade) for gw in self._gateways]
+        for w in self._watches:
+            self._bridge.spawn(w.attach)
+        try:
+            await self._wait_for_tiers()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+            raise
+
+    def _wire(self) -> None:
+        """Build the collaborators over the primary's pools and one gateway per lower tier."""
         self._pools = self._primary.pools
         lock = self._lock
-        self._gateways = [TierGateway(i, t, lock) for i, t in enumerate(self._tiers[1:], start=1)]
+        self._gateways = [TierGateway(i, t, lock, up=False) for i, t in enumerate(self._tiers[1:], start=1)]
         self._admission = Admission(self._pools, self.config.admission)
         self._cascader = Cascader(self._bridge, self._pools, self._gateways, self._changed)
         self._promoter = Promoter(self._bridge, self._pools, self._gateways, self._admission, self._changed)
@@ -135,49 +155,102 @@ class TieredStore:
                               stats=self._primary_stats, changed=self._changed)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
-        address = self.config.metrics_address()
-        if address is not None:
-            from tierkv.exporter import MetricsServer
 
-            host, port, from_env = address
-            try:
-                self._metrics = MetricsServer(self.stats, host, port)
-            except ConfigError as exc:
-                if not from_env:
-                    await _close_all(self._tiers)
-                    raise
-                # the variable applies to every store of the process: one that cannot bind serves none
-                log.warning("TIERKV_METRICS_PORT: no metrics endpoint for this store: %s", exc)
-            except BaseException:
-                await _close_all(self._tiers)
+    async def _start_metrics(self) -> None:
+        address = self.config.metrics_address()
+        if address is None:
+            return
+        from tierkv.exporter import MetricsServer
+
+        host, port, from_env = address
+        try:
+            self._metrics = MetricsServer(self.stats, host, port)
+        except ConfigError as exc:
+            if not from_env:
                 raise
-        await self._bridge.start()
-        self._open = True
-        self._bridge.spawn(self._lease_sweeper)
-        for t in self._tiers:
-            self._bridge.spawn(_guarded, t.background)
+            # the variable applies to every store of the process: one that cannot bind serves none
+            log.warning("TIERKV_METRICS_PORT: no metrics endpoint for this store: %s", exc)
+
+    async def _wait_for_tiers(self) -> None:
+        """Wait for each lower tier up to its ``open_timeout_s`` (all at once); raise for a tier
+        set up wrong, or a ``required`` one that did not open."""
+        t0 = time.monotonic()
+        for w in self._watches:
+            left = w.gw.cfg.open_timeout_s - (time.monotonic() - t0)
+            with anyio.move_on_after(max(0.0, left)):
+                await w.settled.wait()
+        for w in self._watches:
+            if w.fatal is not None:
+                raise w.fatal
+        for w in self._watches:
+            if w.gw.cfg.required and not w.opened:
+                why = w.last_error or "no answer"
+                raise BackendError(f"tier {w.gw.index} ({w.tier.describe()}) is required and did not open "
+                                   f"within open_timeout_s={w.gw.cfg.open_timeout_s:g}: {why}")
+
+    def _recascade(self, group: int, keys: list[bytes], slots: list[int], gw: TierGateway) -> None:
+        """Write again, to ``gw`` only, blocks whose write failed while it was down (under the lock)."""
+        assert self._cascader is not None
+        self._cascader.start(group, keys, slots, None, only=gw)
 
     async def close(self) -> None:
-        """Wait for admitted cascades, stop background work, close every tier.
+        """Wait for admitted cascades (each tier at most its ``close_timeout_s``), stop background
+        work, close every tier (each within its ``close_timeout_s``).
 
-        May be called from any task or inside a timeout: when cancelled while it waits for
-        cascades, it still stops the background work and closes the tiers before it returns.
+        What a tier could not write in time is counted (``stores_abandoned``) and logged; a hung
+        tier's I/O is left to end on its own. May be called from any task or inside a timeout:
+        when cancelled while it waits for cascades, it still stops the background work and closes
+        the tiers before it returns.
         """
         if not self._open:
             return
+        bound = max((gw.cfg.close_timeout_s for gw in self._gateways), default=0.0)
+        deadline = time.monotonic() + bound
         try:
-            await self.flush()
+            with anyio.move_on_after(bound):
+                await self.flush()
+            self._abandon_unwritten()
         finally:
             with self._lock:
                 self._open = False
             with anyio.CancelScope(shield=True):
-                await self._bridge.stop()
+                async with anyio.create_task_group() as tg:
+                    # background work stuck on a tier that does not answer is left behind
+                    tg.start_soon(self._abandon_at, deadline)
+                    await self._bridge.stop()
+                    tg.cancel_scope.cancel()
                 if self._metrics is not None:
                     self._metrics.close()
                     self._metrics = None
-            await _close_all(self._tiers)
+                for gw in reversed(self._gateways):
+                    with anyio.move_on_after(max(0.5, deadline - time.monotonic())) as scope:
+                        await _close_all([gw.tier])
+                    if scope.cancelled_caught:
+                        gw.tier.abandon()
+                        log.warning("closing tier %d (%s) did not end within close_timeout_s=%g: left to "
+                                    "end on its own", gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
+                await _close_all([self._primary])
             for pool in self._pools.values():
                 pool.release()
+
+    async def _abandon_at(self, deadline: float) -> None:
+        await anyio.sleep(max(0.5, deadline - time.monotonic()))
+        for gw in self._gateways:
+            gw.tier.abandon()
+
+    def _abandon_unwritten(self) -> None:
+        """Cascades still running after the close bound: count their blocks, stop waiting for them."""
+        if self._cascader is None:
+            return
+        with self._lock:
+            pending = dict(self._cascader.pending)
+        for gw in self._gateways:
+            n = pending.get(gw.index, 0)
+            if n:
+                gw.stats.stores_abandoned += n
+                gw.tier.abandon()
+                log.warning("close: %d blocks were not written to tier %d (%s) within close_timeout_s=%g",
+                            n, gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
 
     def _check_open(self) -> None:
         if not self._open:

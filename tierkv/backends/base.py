@@ -13,7 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from tierkv.layout import Layout
 
-__all__ = ["Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext"]
+__all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext"]
+
+#: the longest any wait setting may be (one hour): a deadline is a bound, never "forever"
+MAX_WAIT_S = 3600.0
 
 #: called with ``"stored"`` or ``"removed"`` and the keys concerned
 KeyListener = Callable[[str, list[bytes]], None]
@@ -63,6 +66,19 @@ class TierConfig(BaseModel):
     negative_ttl_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     #: the read rate (bytes/s) the cost model assumes before the first load is measured
     read_bytes_per_s: float = Field(default=500e6, gt=0, allow_inf_nan=False)
+    #: how long a store's start waits for this tier to open; a tier that has not answered by then
+    #: joins in the background when it answers (unless ``required``)
+    open_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    #: a tier that does not open within ``open_timeout_s`` fails the store's start instead
+    required: bool = False
+    #: how long ``close()`` waits for this tier's writes (cascades, then its own close); what it
+    #: could not write by then is counted (``stores_abandoned``) and logged
+    close_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    #: while the tier is down, failed writes of blocks still in the primary wait in a queue of at
+    #: most this many blocks and are written again when it answers (0: never retried)
+    retry_queue_blocks: int = Field(default=65536, ge=0)
+    #: how often a tier that is down is asked whether it answers again
+    health_interval_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
 
 
 
@@ -118,6 +134,15 @@ class Tier(ABC):
 
     async def open(self) -> None:  # noqa: B027
         """Acquire resources (allocate pools, connect). Called once before use."""
+
+    async def check(self) -> None:
+        """Raise when the tier does not answer (the store's health check of a tier that is down)."""
+        first = next(iter(self.context.layout.cacheable_groups), 0)
+        await self.contains(first, [b"tierkv-health-check" + bytes(4)])
+
+    def abandon(self) -> None:  # noqa: B027
+        """Stop waiting for I/O in flight: ``close`` past its bound on a tier that does not
+        answer (a hung mount). Calls still running may end later; nothing waits for them."""
 
     async def close(self) -> None:  # noqa: B027
         """Release resources."""

@@ -19,6 +19,7 @@ never read as a record: a reader would block in ``open`` beyond any cancel scope
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -70,6 +71,32 @@ class RecordSource(Protocol):
 
     def read_all(self, buf: memoryview) -> memoryview | None:
         """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
+
+
+#: errors of a file system that is down or unreachable (a dead FUSE daemon, a lost NFS server)
+_DOWN_ERRNO = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+                         errno.ENETUNREACH, errno.ENETDOWN, errno.EIO, errno.ETIMEDOUT,
+                         errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED})
+#: botocore / aiohttp exceptions of a server that does not answer (matched by class name)
+_DOWN_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                         "ConnectTimeoutError", "ConnectionError", "ServerDisconnectedError",
+                         "ClientConnectionError", "ClientOSError", "ProxyConnectionError",
+                         "TimeoutError", "ServerTimeoutError", "TierUnavailable"})
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says a tier does not answer now (worth waiting for), rather than that it
+    is set up wrong (a bad setting, a missing bucket, no permission: waiting will not cure it)."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in _DOWN_ERRNO:
+            return True
+        if any(t.__name__ in _DOWN_TYPES for t in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 E = TypeVar("E", bound=BaseException)
@@ -149,8 +176,10 @@ class Driver:
         self.limiter = limiter
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking I/O ``fn`` in a worker thread bounded by this tier's limiter."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        """Run blocking I/O ``fn`` in a worker thread bounded by this tier's limiter. Cancelling
+        the caller does not wait for the call (it touches no buffer of the caller's): a call stuck
+        on a hung file system is left to end on its own."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=True)
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work (encoding, checking records) in a worker thread; it takes no I/O slot."""
@@ -251,6 +280,11 @@ class Driver:
     def counts(self) -> dict[str, int]:
         """The driver's own counters, reported among the tier's (only those above zero)."""
         return {}
+
+    def abandon(self) -> None:
+        """Stop waiting for calls in flight (``close`` past its bound, a hung file system): from
+        now on a cancelled call returns at once, even one whose threads still use its buffers
+        (which stay referenced by those threads until they end)."""
 
     async def close(self) -> None:
         """Release connections."""

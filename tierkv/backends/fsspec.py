@@ -40,6 +40,7 @@ from tierkv.backends.fsio import (
     Driver,
     RecordSource,
     temp_owner_alive,
+    unavailable,
 )
 from tierkv.backends.fsopen import default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec_config import FsspecTierConfig
@@ -58,7 +59,7 @@ from tierkv.backends.namespace import (
 from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
 from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
-from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord
+from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord, TierUnavailable
 from tierkv.record import (
     encode_record_parts,
     read_header,
@@ -128,13 +129,25 @@ class FsspecTier(Tier):
         return record_path(self.root, self.context.fingerprint, key)
 
     def _error(self, what: str, exc: BaseException) -> BackendError:
-        return BackendError(f"{what} on {self.describe()} failed: {self._redact.error(exc)}")
+        why = self._redact.error(exc)
+        return BackendError(f"{what} on {self.describe()}{self._endpoint()} failed: {why}")
+
+    def _endpoint(self) -> str:
+        """`` (endpoint URL)`` when the storage options name one (S3-compatible servers)."""
+        opts = self.cfg.storage_options
+        url = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+        return f" (endpoint {self._redact(str(url))})" if url else ""
 
     def _warn(self, what: str, exc: BaseException) -> None:
         log.warning("%s on %s failed: %s", what, self.describe(), self._redact.error(exc))
 
     def _warn_batch(self, what: str, errors: list[BaseException], total: int) -> None:
-        """One warning for the failed records of one batch (the first error stands for the rest)."""
+        """One warning for the failed records of one batch (the first error stands for the rest);
+        errors that say the file system does not answer are counted apart (``unavailable_errors``:
+        the store then takes the tier for down)."""
+        down = sum(1 for e in errors if unavailable(e))
+        if down:
+            self.count("unavailable_errors", down)
         if errors:
             more = f" ({len(errors) - 1} more failed alike)" if len(errors) > 1 else ""
             log.warning("%s: %d of %d records on %s failed: %s%s", what, len(errors), total, self.describe(),
@@ -147,6 +160,11 @@ class FsspecTier(Tier):
         cannot be reached, read or written; a full disk is not an error here (the records already
         there stay readable), it is logged and counted.
         """
+        if self._driver is not None:  # an open cut short (a hung file system): let it go
+            old, self._driver = self._driver, None
+            old.abandon()
+            with anyio.move_on_after(1):
+                await old.close()
         limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
             cfg = self.cfg
@@ -162,9 +180,15 @@ class FsspecTier(Tier):
         except BackendNotFound:
             await self._close_quietly()
             raise
+        except ConfigError as exc:
+            await self._close_quietly()
+            raise ConfigError(f"{self.describe()}: {exc}") from None
         except Exception as exc:
             await self._close_quietly()
-            raise self._error("opening the tier", exc) from None
+            err = self._error("opening the tier", exc)
+            if unavailable(exc):
+                raise TierUnavailable(str(err)) from exc
+            raise err from None
 
     async def _write_manifest(self) -> None:
         ctx = self.context
@@ -216,6 +240,19 @@ class FsspecTier(Tier):
         with anyio.move_on_after(PAUSE_MAX_S):
             while self._busy():
                 await anyio.sleep(PAUSE_STEP_S)
+
+    async def check(self) -> None:
+        """Read the namespace manifest: raises when the file system does not answer."""
+        if self._driver is None:
+            raise BackendError(f"{self.describe()} is not open")
+        (found,) = await self.driver.read_many([manifest_path(self.root, self.context.fingerprint)], 1 << 16)
+        if isinstance(found, BaseException):
+            raise self._error("checking the tier", found)
+
+    def abandon(self) -> None:
+        """See :meth:`Tier.abandon`."""
+        if self._driver is not None:
+            self._driver.abandon()
 
     async def close(self) -> None:
         """Close connections; a tier that wrote since its last listing lists (and evicts) once more

@@ -230,6 +230,8 @@ class LocalDriver(Driver):
         #: the file system refuses it (tmpfs, FUSE), found by :meth:`prepare` or by a refused read
         self.nowait = RWF_NOWAIT is not None
         self.root_hint = "a local tier"
+        self._abandoned = False
+        self._abandon_event: asyncio.Event | None = None
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -313,16 +315,24 @@ class LocalDriver(Driver):
         return self._readers is not None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking ``fn`` in one of this driver's threads."""
-        return (await self._run_all([functools.partial(fn, *args)]))[0]
+        """Run blocking ``fn`` in one of this driver's threads; a cancelled caller does not wait
+        for it (it touches no buffer of the caller's)."""
+        return (await self._run_all([functools.partial(fn, *args)], buffers=False))[0]
+
+    def abandon(self) -> None:
+        """See :meth:`Driver.abandon`."""
+        self._abandoned = True
+        if self._abandon_event is not None:
+            self._abandon_event.set()
 
     async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None,
-                       pool: ThreadPoolExecutor | None = None) -> list[T]:
+                       pool: ThreadPoolExecutor | None = None, buffers: bool = True) -> list[T]:
         """Run ``calls`` on the pool; their results in order, once every one has ended.
 
         The event loop is woken once, when the last call ends (not once per call). On
         cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
-        those running to end early, and this waits for them before it raises.
+        those running to end early, and, when they use the caller's ``buffers``, this waits for
+        them before it raises (until :meth:`abandon`: then it stops waiting).
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
@@ -349,12 +359,28 @@ class LocalDriver(Driver):
             for j in jobs:
                 j.cancel()
             running = [asyncio.wrap_future(j) for j in jobs if not j.done()]
-            if running:
+            if running and buffers and not self._abandoned:
                 with anyio.CancelScope(shield=True):
-                    await asyncio.wait(running)
+                    await self._wait_unless_abandoned(running)
+            running = [f for f in running if not f.done()]
+            if running:
+                self._count("calls_abandoned", len(running))
             raise
 
-    async def map(self, fn: Callable[[int], T], n: int, nbytes: int = 0) -> list[T | OSError]:
+    async def _wait_unless_abandoned(self, running: list[asyncio.Future[Any]]) -> None:
+        if self._abandon_event is None:
+            self._abandon_event = asyncio.Event()
+        gave_up = asyncio.ensure_future(self._abandon_event.wait())
+        try:
+            left = set(running)
+            while left and not gave_up.done():
+                await asyncio.wait([*left, gave_up], return_when=asyncio.FIRST_COMPLETED)
+                left = {f for f in left if not f.done()}
+        finally:
+            gave_up.cancel()
+
+    async def map(self, fn: Callable[[int], T], n: int, nbytes: int = 0,
+                  buffers: bool = True) -> list[T | OSError]:
         """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads.
 
         Per item, what ``fn`` returned or the ``OSError`` it raised: a tier does a whole per-record
@@ -377,17 +403,23 @@ class LocalDriver(Driver):
                     results[i] = detach(exc)  # type: ignore[assignment]
 
         parts = max(self.threads, -(-nbytes // CHUNK_BYTES))
-        await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop)
+        await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop,
+                            buffers=buffers)
         return results
 
     async def close(self) -> None:
-        """Stop the worker threads (after the jobs already queued) and the reader processes."""
+        """Stop the worker threads (after the jobs already queued) and the reader processes;
+        after :meth:`abandon`, without waiting for threads stuck in a call."""
         if self._readers is not None:
             readers, self._readers = self._readers, None
-            await anyio.to_thread.run_sync(readers.close)
-        await anyio.to_thread.run_sync(self._pool.shutdown)
-        if self._cold is not None:
-            await anyio.to_thread.run_sync(self._cold.shutdown)
+            await anyio.to_thread.run_sync(readers.close, abandon_on_cancel=True)
+        for pool in (self._pool, self._cold):
+            if pool is None:
+                continue
+            if self._abandoned:
+                pool.shutdown(wait=False, cancel_futures=True)
+            else:
+                await anyio.to_thread.run_sync(pool.shutdown, abandon_on_cancel=True)
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
                          nbytes: int) -> list[int | BaseException | None]:
@@ -547,7 +579,7 @@ class LocalDriver(Driver):
 
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """Write the batch in chunks over the worker threads."""
-        return await self.map(lambda i: self._write_one(*items[i]), len(items))
+        return await self.map(lambda i: self._write_one(*items[i]), len(items), buffers=False)
 
     @staticmethod
     def _read_one(path: str, limit: int) -> bytes | None:
@@ -574,7 +606,7 @@ class LocalDriver(Driver):
 
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Read the batch in chunks over the worker threads."""
-        return await self.map(lambda i: self._read_one(paths[i], limit), len(paths))
+        return await self.map(lambda i: self._read_one(paths[i], limit), len(paths), buffers=False)
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """One worker thread stats the whole batch."""
@@ -618,7 +650,8 @@ class LocalDriver(Driver):
                     out.append(Entry(p, st.st_size, st.st_mtime))
             return out
 
-        return await anyio.to_thread.run_sync(walk)  # a long listing never holds an I/O thread
+        # a long listing never holds an I/O thread; a hung one is left behind when cancelled
+        return await anyio.to_thread.run_sync(walk, abandon_on_cancel=True)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -75,8 +75,12 @@ class Redactor:
             exc = exc.exceptions[0]  # type: ignore[attr-defined]
         if isinstance(exc, OSError) and exc.strerror:
             text = f"{type(exc).__name__}: [{exc.errno}] {exc.strerror}"
-        else:
+        elif str(exc):
             text = f"{type(exc).__name__}: {str(exc)[:300]}"
+        elif isinstance(exc, TimeoutError):
+            text = "TimeoutError: no answer in time"
+        else:
+            text = f"{type(exc).__name__} (no message)"
         return self(text)
 
 
