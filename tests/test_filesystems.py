@@ -125,7 +125,8 @@ async def test_a_silent_s3_endpoint_never_holds_the_start(silent_endpoint: str) 
     assert time.monotonic() - t1 < 35  # close's bound
 
 
-async def test_a_required_tier_that_is_silent_fails_the_start_naming_the_endpoint(silent_endpoint: str) -> None:
+async def test_a_required_tier_that_is_silent_fails_the_start_naming_the_endpoint(
+        silent_endpoint: str) -> None:
     cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [{"kind": "cpu", "slots": {0: 16}},
                                                           _s3_tier(silent_endpoint, required=True)]}
     t0 = time.monotonic()

@@ -66,8 +66,8 @@ def cfg(root: Path, **tier: object) -> dict[str, object]:
 def write_in_another_process(root: Path, n: int, doc: int) -> None:
     c = cfg(root)
     del c["layout"]
-    code = WRITER.format(tests=str(Path(__file__).parent), cfg=json.dumps(c),
-                         layout="__import__('tierkv').Layout.model_validate(" + repr(LAYOUT.model_dump()) + ")",
+    layout = f"__import__('tierkv').Layout.model_validate({LAYOUT.model_dump()!r})"
+    code = WRITER.format(tests=str(Path(__file__).parent), cfg=json.dumps(c), layout=layout,
                          n=n, doc=doc, bb=BB)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
