@@ -305,3 +305,52 @@ def test_from_env_sets_the_metrics_endpoint_and_refuses_a_bad_port(tmp_path: Pat
     assert (cfg.metrics_port, cfg.metrics_host) == (9464, "0.0.0.0")
     with pytest.raises(ConfigError, match="metrics_port"):
         StoreConfig.from_env({"TIERKV_CONFIG": str(p), "TIERKV_METRICS_PORT": "http"})
+
+
+# ---- settings that would switch the cache off or remove a bound ----------------------------------------
+LAYOUT1 = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=1024)])
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("recompute_tokens_per_s", float("inf")), ("recompute_tokens_per_s", 1e-9),
+    ("recompute_tokens_per_s", True), ("recompute_tokens_per_s", float("nan")),
+    ("max_pending_s", float("inf")), ("max_pending_s", 1e308), ("max_pending_s", True),
+    ("pin_lease_s", float("nan")), ("max_concurrent_requests", True),
+])
+def test_store_settings_that_switch_the_cache_off_are_refused_naming_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=key):
+        StoreConfig(layout=LAYOUT1, tiers=[{"kind": "cpu", "capacity_bytes": 1 << 20}], **{key: value})
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("capacity_bytes", True), ("open_timeout_s", float("inf")), ("close_timeout_s", 0),
+    ("shed_after_s", float("nan")), ("max_inflight_bytes", False),
+])
+def test_tier_settings_that_remove_a_bound_are_refused(key: str, value: object, tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        StoreConfig(layout=LAYOUT1, tiers=[{"kind": "cpu", "capacity_bytes": 1 << 20},
+                                           {"kind": "fsspec", "url": f"file://{tmp_path}", key: value}])
+
+
+@pytest.mark.parametrize(("name", "value"), [("TIERKV_RECOMPUTE_TOKENS_PER_S", "inf"),
+                                             ("TIERKV_MAX_PENDING_S", "nan"),
+                                             ("TIERKV_MAX_CONCURRENT_REQUESTS", "0")])
+def test_environment_settings_are_validated_the_same_way(name: str, value: str) -> None:
+    env = {name: value, "TIERKV_TIERS": '[{"kind": "cpu", "capacity_bytes": 1048576}]'}
+    with pytest.raises(ConfigError, match=name.removeprefix("TIERKV_").lower()):
+        StoreConfig.from_env(env, base={"layout": LAYOUT1})
+
+
+def test_a_measured_recompute_rate_that_is_not_a_rate_is_refused() -> None:
+    from tierkv.costmodel import CostModel
+    from tierkv.errors import InvalidArgument
+
+    cm = CostModel(16, 1000.0, None)
+    for bad in (float("inf"), float("nan"), 0.0, -5.0, True, 1e12):
+        with pytest.raises(InvalidArgument):
+            cm.set_rate(bad)  # type: ignore[arg-type]
+    assert cm.rate == 1000.0
+    cm.set_rate(2000)
+    assert cm.rate == 2000.0
+    slow = CostModel(16, 1e-3, None)  # the slowest rate allowed: the deadline is still bounded
+    assert slow.deadline_s(1000) <= 60.0

@@ -10,9 +10,12 @@ import anyio
 import pytest
 import torch
 from helpers import FULL, REC, SW, blocks, group_stats, hashes, hybrid_layout
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, TieredStore
 from tierkv.costmodel import FALLBACK_DEADLINE_S, CostModel
+from tierkv.gateway import MAX_RATE, MIN_RATE, RATE_WINDOW, RateEstimate
 from tierkv.lookup import KeyState
 
 pytestmark = pytest.mark.anyio
@@ -91,25 +94,32 @@ async def test_the_longest_prefix_that_wins_on_a_fast_pool_and_a_slow_disk(tmp_p
 
 
 async def test_a_throttled_tier_is_learnt_from_its_loads_and_then_recomputed(tmp_path: Path) -> None:
-    """The tier claims 500 MB/s (the prior) but reads at 4 MB/s (16 ms a block): the first request
-    loads (its deadline set long) and measures it; recomputing takes 10 ms a block, so the next
-    request recomputes."""
-    hs, data = hashes(8), blocks(8, BB)
+    """The tier claims 500 MB/s (the prior) but reads at 4 MB/s (16 ms a block): the first two
+    requests load (their deadline set long) and measure it (one slow sample moves the estimate by
+    one rank of its window, never replaces it; two make it the median); recomputing takes 10 ms a
+    block, so the next request recomputes."""
+    hs, data = hashes(12), blocks(12, BB)
     await write_to_disk(tmp_path, hs, data)
     slow = {"kind": "faulty", "inner": {"kind": "fsspec", "url": f"file://{tmp_path}"},
             "max_read_bytes_per_s": 4e6}
     async with TieredStore(cfg([slow], recompute_tokens_per_s=1600.0, max_pending_s=10.0)) as store:
-        t0 = time.monotonic()
-        assert await until_settled(store, hs[:4], "a") == PrefixLookup(4, Lookup.HIT)
-        assert time.monotonic() - t0 >= 4 * BB / 4e6 * 0.9, "the cap was not applied"
-        out = torch.zeros((4, BB), dtype=torch.uint8)
-        await store.get(0, hs[:4], out, request_id="a")
-        assert torch.equal(out, data[:4])
-        store.release("a")
+        for n, rid in enumerate(("a", "a2")):
+            part = slice(4 * n, 4 * n + 4)
+            t0 = time.monotonic()
+            assert await until_settled(store, hs[part], rid) == PrefixLookup(4, Lookup.HIT)
+            assert time.monotonic() - t0 >= 4 * BB / 4e6 * 0.9, "the cap was not applied"
+            out = torch.zeros((4, BB), dtype=torch.uint8)
+            await store.get(0, hs[part], out, request_id=rid)
+            assert torch.equal(out, data[part])
+            store.release(rid)
+            if n == 0:
+                assert store.stats().tiers[1].read_bytes_per_s == 500e6, "one sample replaced the estimate"
         assert store.stats().tiers[1].read_bytes_per_s < 8e6
-        assert await until_settled(store, hs[4:], "b") == PrefixLookup(0, Lookup.MISS)
+        hs = hs[8:] + hashes(4, doc=1)
+        await write_to_disk(tmp_path, hs[4:], blocks(4, BB, seed=1))
+        assert await until_settled(store, hs[:4], "b") == PrefixLookup(0, Lookup.MISS)
         st = store.stats()
-        assert st.cost.blocks_recomputed == 4 and st.tiers[1].promotions == 4, "read again from the slow tier"
+        assert st.cost.blocks_recomputed == 4 and st.tiers[1].promotions == 8, "read again from the slow tier"
         # an engine looking keys up one by one (the vLLM adapter) gets the same answer per block
         full_key = hs[6] + (0).to_bytes(4, "big")
         with anyio.fail_after(10):
@@ -117,7 +127,7 @@ async def test_a_throttled_tier_is_learnt_from_its_loads_and_then_recomputed(tmp
                 await anyio.sleep(0.005)
         assert ks is KeyState.MISS
         await anyio.sleep(0.1)
-        assert store.stats().tiers[1].promotions == 4
+        assert store.stats().tiers[1].promotions == 8
 
 
 async def test_the_read_cap_holds_across_concurrent_loads(tmp_path: Path) -> None:
@@ -207,3 +217,53 @@ async def test_the_engine_slot_api_turns_a_stalled_key_into_a_miss() -> None:
         assert store.stats().pending_deadline_miss == 1
         store.release("r")
         assert sum(g.pinned for g in store.stats().groups) == 0
+
+
+# ---- read-rate estimates that recover -------------------------------------------------------------
+@given(prior=st.floats(1e3, 1e11), samples=st.lists(
+    st.one_of(st.floats(0, 1e13), st.just(0.0), st.just(-1.0), st.just(float("nan")), st.just(float("inf"))),
+    max_size=40))
+def test_the_read_rate_estimate_is_a_bounded_median_that_no_sample_breaks(prior: float,
+                                                                           samples: list[float]) -> None:
+    est = RateEstimate(prior)
+    for x in samples:
+        v = est.add(x)
+        assert MIN_RATE <= v <= MAX_RATE and v == v  # never NaN, never 0, never inf
+    real = [min(max(x, MIN_RATE), MAX_RATE) for x in samples if x == x and x > 0]
+    window = [min(max(prior, MIN_RATE), MAX_RATE), *real][-RATE_WINDOW:]
+    assert est.value == sorted(window)[len(window) // 2]
+
+
+@given(good=st.floats(1e8, 1e10), stall=st.floats(1e3, 1e6), burst=st.integers(1, 2))
+def test_a_stall_moves_the_estimate_by_one_rank_and_good_samples_bring_it_back(
+        good: float, stall: float, burst: int) -> None:
+    est = RateEstimate(good)
+    for _ in range(RATE_WINDOW):
+        est.add(good)
+    for _ in range(burst):  # fewer stalled samples than half the window: the estimate stays good
+        est.add(stall)
+    assert est.value == good
+    for _ in range(RATE_WINDOW):  # a tier slow for good is learnt within one window
+        est.add(stall)
+    assert est.value == stall
+    for _ in range(RATE_WINDOW // 2 + 1):  # and it recovers as soon as the samples do
+        est.add(good)
+    assert est.value == good
+
+
+def test_a_tier_unmeasured_below_its_prior_is_planned_with_the_prior_again(monkeypatch: pytest.MonkeyPatch
+                                                                          ) -> None:
+    from tierkv.backends.base import TierContext
+    from tierkv.backends.memory import MemoryTier, MemoryTierConfig
+    from tierkv.gateway import REPROBE_S, TierGateway
+
+    ctx = TierContext(layout=LAYOUT, namespace="", fingerprint="x")
+    tier = MemoryTier(MemoryTierConfig(kind="memory"), ctx)
+    gw = TierGateway(1, tier)
+    now = time.monotonic()
+    for _ in range(RATE_WINDOW):
+        gw._sample_read_rate(1000, now + 1)
+        gw._busy_since = now
+    assert gw.read_bytes_per_s < 1e4
+    assert gw.planning_rate(now + 1.5) == gw.read_bytes_per_s
+    assert gw.planning_rate(now + 1 + REPROBE_S) == 500e6, "never measured again: restores off for good"

@@ -188,3 +188,13 @@ async def test_cancellation_cuts_a_start_that_waits_for_a_tier(stalling: type[St
         async with TieredStore(cfg):
             pytest.fail("the start cannot have finished: the tier stalls and is waited for 60 s")
     assert time.monotonic() - t0 < 1 + 3
+
+
+async def test_inspect_says_what_the_store_found_the_file_system_does(shm_dir: Path, tmp_path: Path) -> None:
+    from tierkv.audit import inspect_tier
+
+    on_tmpfs = await inspect_tier(f"file://{shm_dir}")
+    on_disk = await inspect_tier(f"file://{tmp_path}")
+    assert on_tmpfs.features["page_cache_reads"] is (not _tmpfs_refuses_nowait(str(shm_dir)))
+    assert on_disk.features["page_cache_reads"] is (localfs.probe_nowait(str(tmp_path)) is not False)
+    assert "features" in on_disk.to_json()

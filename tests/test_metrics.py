@@ -124,3 +124,51 @@ async def test_a_bad_metrics_port_variable_is_a_config_error(tmp_path: Path,
     with pytest.raises(ConfigError, match="TIERKV_METRICS_PORT"):
         async with TieredStore(plain):
             pass
+
+
+async def test_slow_clients_hold_a_bounded_number_of_threads_and_none_outlive_the_store(
+        tmp_path: Path) -> None:
+    import contextlib
+    import socket
+    import threading
+
+    from tierkv.exporter import MAX_CONNECTIONS, READ_TIMEOUT_S
+
+    def serving() -> int:
+        return sum(1 for t in threading.enumerate()
+                   if "process_request" in t.name or t.name == "tierkv-metrics")
+
+    clients: list[socket.socket] = []
+    async with TieredStore(cfg(tmp_path)) as store:
+        port = int(str(store.metrics_url).rsplit(":", 1)[1].split("/")[0])
+        for _ in range(100):  # half-open: connect, send half a request, never finish it
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            c.sendall(b"GET /metr")
+            clients.append(c)
+        await anyio.sleep(0.5)
+        assert 1 < serving() <= MAX_CONNECTIONS + 1  # the connection threads and the server's
+        values: dict[str, float] = {}
+        with anyio.fail_after(10 * READ_TIMEOUT_S):  # the half-open ones are cut: a scraper is served
+            while not values:
+                await anyio.sleep(READ_TIMEOUT_S / 2)
+                with contextlib.suppress(OSError):
+                    values = await anyio.to_thread.run_sync(scrape, store.metrics_url)
+    assert serving() == 0, [t.name for t in threading.enumerate()]
+    for c in clients:
+        c.close()
+
+
+async def test_an_ipv6_host_is_served_and_named_in_brackets(tmp_path: Path) -> None:
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this kernel")
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    async with TieredStore(cfg(tmp_path, metrics_host="::1")) as store:
+        assert str(store.metrics_url).startswith("http://[::1]:")
+        assert await anyio.to_thread.run_sync(scrape, store.metrics_url)

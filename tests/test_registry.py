@@ -82,7 +82,7 @@ def test_missing_module_with_extra_gives_install_hint() -> None:
         get_backend("s3-special")
     msg = str(info.value)
     assert "s3-special" in msg
-    assert "tierkv[s3]" in msg
+    assert "[s3]" in msg and "s3fs" in msg
     assert "pip install" in msg
 
 
@@ -164,3 +164,21 @@ def test_registry_state_is_restored() -> None:
     assert "mine" not in registry._known and "mine" not in registry._loaded
     assert "s3-special" not in registry._known
     assert "plugged" not in registry._known
+
+
+def test_adapters_without_their_engine_say_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
+            "import tierkv.adapters.vllm as v, tierkv.adapters.sglang as s\n"
+            "for mod, name in ((v, 'TierKVOffloadingSpec'), (s, 'TierKVHiCacheStorage')):\n"
+            "    try:\n"
+            "        getattr(mod, name)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stderr[-2000:]
+    assert "vLLM" in lines[0] and "pip install vllm" in lines[0]
+    assert "SGLang" in lines[1] and "pip install 'sglang==0.5.23'" in lines[1]

@@ -406,3 +406,39 @@ async def test_a_hung_server_costs_a_bounded_wait_and_the_store_recovers(seaweed
         with anyio.fail_after(OUTAGE_BOUND_S):
             await store.flush()
         assert store.stats().tiers[1].stores == 4
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_one_slow_restore_never_switches_restores_off(seaweed: SeaweedServer) -> None:
+    """The server paused 3 s during a fresh store's first restore (its read rate sample is that of
+    a stall): once it answers again, prefixes are restored within 10 s, not recomputed for ever."""
+    bucket = seaweed.new_bucket()
+    cfg = store_config(f"s3://{bucket}/kv", seaweed.storage_options(), slots={FULL: 64, REC: 2},
+                       request_timeout_s=10.0)
+    cfg["recompute_tokens_per_s"] = 2000.0
+    docs = [tier_tests.hashes(4, salt=70 + d) for d in range(6)]
+    async with TieredStore(cfg) as writer:
+        for d, hs in enumerate(docs):
+            await writer.put(FULL, hs, tier_tests.rand_blocks(4, BB, seed=70 + d))
+        await writer.flush()
+    async with TieredStore(cfg) as store:
+        store.lookup(FULL, docs[0], request_id="first")  # probes, then promotes: the server stalls
+        seaweed.freeze()
+        await anyio.sleep(3)
+        seaweed.thaw()
+        with anyio.fail_after(30):
+            await settle(store, docs[0], "first")
+        back = time.monotonic()
+        restored = 0
+        for d, hs in enumerate(docs[1:], start=1):
+            res = await settle(store, hs, f"r{d}")
+            if all(r is Lookup.HIT for r in res):
+                restored += 1
+                out = torch.zeros((4, BB), dtype=torch.uint8)
+                await store.get(FULL, hs, out, request_id=f"r{d}")
+                assert torch.equal(out, tier_tests.rand_blocks(4, BB, seed=70 + d))
+            store.release(f"r{d}")
+            if restored and time.monotonic() - back < 10:
+                break
+        assert restored and time.monotonic() - back < 10, store.stats().cost

@@ -450,3 +450,40 @@ def test_engines_on_cpus_that_lay_out_kv_differently_never_share_a_namespace(
     names = {namespace(True, None), namespace(False, None), namespace(False, "SD"), namespace(False, "DS")}
     assert len(names) == 4  # the AMX and vector attention layouts, two conv state layouts
     assert namespace(False, None) == namespace(False, None)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"manifest_timeout_s": float("nan")}, "manifest_timeout_s"),
+    ({"cpu_bytes_to_use": True}, "cpu_bytes_to_use"),
+    ({"slots": {0: -1}}, "slots.0"),
+    ({"shm_dir": ""}, "shm_dir"),
+    ({"recompute_tokens_per_s": float("inf")}, "recompute_tokens_per_s"),
+    ({"max_pending_s": 1e308}, "max_pending_s"),
+])
+def test_extra_config_values_that_switch_the_cache_off_are_refused(tmp_path: Path, extra: dict[str, Any],
+                                                                   named: str) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\." + named.replace(".", r"\.")):
+        TierKVOffloadingSpec(offloading_config(tmp_path, [(0, 16)], extra, "bad"))
+
+
+def test_an_extra_config_that_is_not_a_mapping_is_one_config_error() -> None:
+    from tierkv.adapters.vllm.config import AdapterConfig
+
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        AdapterConfig.from_extra([("cpu_bytes_to_use", 1)])  # type: ignore[arg-type]
+
+
+def test_bursts_of_complete_store_do_not_inflate_the_measured_prefill_rate() -> None:
+    """vLLM finishes several store jobs back to back in one step: the meter must report the rate
+    at which blocks were computed (16 tokens every 1/320 s: 5,120 tokens/s), not 16 tokens over the
+    microseconds between two calls of one burst."""
+    from tierkv.adapters.vllm.manager import RateMeter
+
+    meter = RateMeter(tokens_per_block=16)
+    t, rate = 100.0, None
+    for _step in range(200):  # a step every 25 ms, each finishing 8 blocks in 4 back-to-back calls
+        t += 0.025
+        for call in range(4):
+            rate = meter.stored(2, now=t + call * 1e-5)
+    assert rate is not None and 5120 / 2 <= rate <= 5120 * 2, rate
+    assert meter.stored(2, now=t + 10) == rate  # an idle gap starts a new period, keeps the rate

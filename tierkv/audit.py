@@ -25,9 +25,10 @@ from typing import Any
 
 import anyio
 
+from tierkv.backends import directio
 from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsopen import open_driver, url_problem
-from tierkv.backends.localfs import LocalDriver
+from tierkv.backends.localfs import LocalDriver, probe_nowait
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     Listing,
@@ -143,6 +144,9 @@ class InspectReport:
     other_files: list[str] = field(default_factory=list)
     #: when no namespace is here: where there are (or why there is none)
     hint: str = ""
+    #: what the root's file system does, as the store probes it (local paths: ``page_cache_reads``,
+    #: whether it reads only what the page cache holds, ``RWF_NOWAIT``; empty elsewhere)
+    features: dict[str, bool] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``tierkv inspect --json``)."""
@@ -155,7 +159,7 @@ class InspectReport:
                         "codec_ratio": ns.codec_ratio, "temp_files": ns.temp_files,
                         "other_files": ns.other_files, "groups": groups})
         return {"url": self.url, "namespaces": out, "temp_files": self.temp_files,
-                "other_files": self.other_files, "hint": self.hint}
+                "other_files": self.other_files, "hint": self.hint, "features": self.features}
 
 
 @dataclass
@@ -289,6 +293,18 @@ async def _open(url: str, storage_options: dict[str, Any] | None, concurrency: i
         raise BackendError(f"cannot open {redact_url(url)}: {redact.error(exc)}") from None
 
 
+async def _features(driver: Driver, root: str) -> dict[str, bool]:
+    """What the store's probes find at ``root`` (local paths), the same way a tier opening there."""
+    if not isinstance(driver, LocalDriver):
+        return {}
+    nowait = await driver.run(probe_nowait, root)
+    if nowait is False:
+        await driver.refuse_nowait("the probe of tierkv inspect")
+    feats = driver.features()
+    feats["direct_io"] = bool(await driver.run(directio.probe, root)) if os.access(root, os.W_OK) else False
+    return feats
+
+
 async def _list(driver: Driver, root: str, url: str, redact: Redactor) -> Listing:
     if isinstance(driver, LocalDriver) and not os.path.isdir(root):
         raise BackendError(f"{redact_url(url)}: no such directory")
@@ -313,7 +329,8 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
         listing = await _list(driver, root, url, redact)
         report = InspectReport(url=redact_url(url), temp_files=len(listing.temps),
                                hint=_hint(url, root, listing),
-                               other_files=[rel for rel, fp in listing.other if fp is None])
+                               other_files=[rel for rel, fp in listing.other if fp is None],
+                               features=await _features(driver, root))
         for fp in listing.fingerprints():
             man = await _manifest(driver, listing.manifests.get(fp), fp)
             ns = NamespaceReport(fingerprint=fp, namespace=man.namespace, layout=man.layout_json,

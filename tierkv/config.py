@@ -9,11 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
-    PositiveFloat,
-    PositiveInt,
     SerializeAsAny,
     ValidationError,
     field_validator,
@@ -23,13 +20,14 @@ from tierkv.backends.base import TierConfig
 from tierkv.backends.registry import get_backend
 from tierkv.errors import ConfigError, TierKVError, format_validation_error
 from tierkv.layout import Layout
+from tierkv.numbers import Count, Seconds, StrictNumbers, TokenRate
 
 __all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error"]
 
 ENV_PREFIX = "TIERKV_"
 
 
-class StoreConfig(BaseModel):
+class StoreConfig(StrictNumbers):
     """Everything a :class:`~tierkv.TieredStore` needs.
 
     ``tiers[0]`` is the primary and must be a slot-pool tier (``cpu`` or ``device``); the others
@@ -40,21 +38,21 @@ class StoreConfig(BaseModel):
 
     layout: Layout
     namespace: str = ""
-    max_concurrent_requests: PositiveInt = 8
+    max_concurrent_requests: Count = 8
     tiers: list[SerializeAsAny[TierConfig]]
     policy: Literal["lru", "arc"] = "lru"
     #: ``queue``: a promotion that finds no slot waits in FIFO order (PENDING). ``naive``: it is a
     #: MISS, as in engines that treat a full primary as absent; kept only for comparisons.
     admission: Literal["queue", "naive"] = "queue"
     #: pins a request holds are dropped when it has made no call for this long
-    pin_lease_s: PositiveFloat = 300.0
+    pin_lease_s: Seconds = 300.0
     #: the engine's prefill throughput (tokens/s), for the cost model: a prefix is loaded from a lower
     #: tier only as far as loading beats recomputing it (engine adapters may measure and set it)
-    recompute_tokens_per_s: PositiveFloat | None = None
+    recompute_tokens_per_s: TokenRate | None = None
     cost_model: bool = True
     #: no request stays PENDING longer than this; past it, what is not ready is a MISS (unset: the
     #: recompute time of what it waits for, with the cost model on, else 60 s)
-    max_pending_s: PositiveFloat | None = None
+    max_pending_s: Seconds | None = None
     #: serve Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics while the store is
     #: open (needs the extra tierkv[metrics]); 0 picks a free port (``store.metrics_url`` tells)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

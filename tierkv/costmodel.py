@@ -16,7 +16,7 @@ recomputes them.
 Deadline: a request PENDING for longer than its deadline gets a MISS for what is not ready (the
 ready prefix stays a HIT); its promotions go on and stay cached for later requests. The deadline is
 ``max_pending_s`` when set, else the recompute time of the blocks it waits for (with the cost
-model on), else :data:`FALLBACK_DEADLINE_S`.
+model on; at most :data:`FALLBACK_DEADLINE_S`), else :data:`FALLBACK_DEADLINE_S`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierkv.errors import InvalidArgument
 from tierkv.metrics import CostStats
+from tierkv.numbers import MAX_RATE_TOKENS_S, MAX_WAIT_S
 
 __all__ = ["FALLBACK_DEADLINE_S", "CostModel", "Decision"]
 
@@ -65,9 +67,13 @@ class CostModel:
         return self.enabled and self.rate is not None and self.rate > 0
 
     def set_rate(self, tokens_per_s: float) -> None:
-        """The engine's measured prefill throughput (tokens/s)."""
-        if tokens_per_s > 0:
-            self.rate = tokens_per_s
+        """The engine's measured prefill throughput (tokens/s). A value that is not a finite rate
+        within [1e-3, 1e9] (inf would switch restores off, 0 or NaN mean nothing) is refused with
+        :class:`~tierkv.errors.InvalidArgument`."""
+        if isinstance(tokens_per_s, bool) or not (1e-3 <= float(tokens_per_s) <= MAX_RATE_TOKENS_S):
+            raise InvalidArgument(f"recompute rate must be a finite number of tokens/s within [1e-3, "
+                                  f"{MAX_RATE_TOKENS_S:g}], got {tokens_per_s!r}")
+        self.rate = float(tokens_per_s)
 
     def recompute_s(self, blocks: int) -> float:
         """Seconds the engine takes to recompute ``blocks`` blocks (0 without a rate)."""
@@ -76,9 +82,9 @@ class CostModel:
     def deadline_s(self, waiting_blocks: int) -> float:
         """How long a request waiting for ``waiting_blocks`` blocks may stay PENDING."""
         if self.max_pending_s is not None:
-            return self.max_pending_s
+            return min(self.max_pending_s, MAX_WAIT_S)
         if self.active and waiting_blocks > 0:
-            return max(self.recompute_s(waiting_blocks), 0.05)
+            return min(max(self.recompute_s(waiting_blocks), 0.05), FALLBACK_DEADLINE_S)
         return FALLBACK_DEADLINE_S
 
     def choose(self, usable: int, full_costs: Sequence[float],

@@ -1,14 +1,18 @@
 """The store's metrics over HTTP for Prometheus: ``StoreConfig.metrics_port``.
 
 While the store is open it serves ``http://<metrics_host>:<port>/metrics`` (Prometheus text
-format) from a thread of prometheus-client (the optional extra ``tierkv[metrics]``); each scrape
+format) with prometheus-client's handler (the optional extra ``[metrics]``); each scrape
 reads ``store.stats()``, so the series are the same as :func:`tierkv.metrics.to_prometheus`'s:
 counters, gauges and latency histograms in tierkv's one naming scheme (``tierkv_*``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 from collections.abc import Callable, Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from tierkv.errors import ConfigError, install_hint
@@ -17,29 +21,46 @@ from tierkv.metrics import StoreStats, histogram_samples, samples
 __all__ = ["MetricsServer"]
 
 
+#: connections served at once; more wait in the listen backlog, then are refused
+MAX_CONNECTIONS = 16
+#: a connection that sends no complete request within this many seconds is closed
+READ_TIMEOUT_S = 2.0
+
+
 class MetricsServer:
-    """An HTTP endpoint serving a store's metrics; :attr:`port` is the one bound (0 picks a free one)."""
+    """An HTTP endpoint serving a store's metrics; :attr:`port` is the one bound (0 picks a free one).
+
+    At most :data:`MAX_CONNECTIONS` connections are served at once, each closed when it sends no
+    complete request within :data:`READ_TIMEOUT_S`; :meth:`close` closes every open connection and
+    waits for every thread it started. IPv6 hosts work (``::1``, ``::``).
+    """
 
     def __init__(self, stats: Callable[[], StoreStats], host: str, port: int) -> None:
         try:
-            from prometheus_client import start_http_server
+            from prometheus_client.exposition import MetricsHandler
             from prometheus_client.registry import CollectorRegistry
         except ImportError:
             raise ConfigError(f"metrics_port needs prometheus-client: {install_hint('metrics')}") from None
         self._stats = stats
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
+        handler = type("TierKVMetricsHandler", (MetricsHandler.factory(registry),),
+                       {"timeout": READ_TIMEOUT_S, "log_message": lambda *a: None})
         try:
-            self._server, self._thread = start_http_server(port, host, registry)
-        except OSError as exc:
-            raise ConfigError(f"metrics_port: cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+            self._server = _BoundedServer((host, port), handler, MAX_CONNECTIONS)
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"metrics_port: cannot serve on {host}:{port}: {why}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tierkv-metrics", daemon=True)
+        self._thread.start()
         self.host = host
-        self.port: int = self._server.server_port
+        self.port: int = self._server.server_address[1]
 
     @property
     def url(self) -> str:
-        """Where the metrics are served."""
-        return f"http://{self.host}:{self.port}/metrics"
+        """Where the metrics are served (an IPv6 host in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
 
     def collect(self) -> Iterator[Any]:
         """The store's samples as metric families (prometheus-client's collector protocol)."""
@@ -64,7 +85,55 @@ class MetricsServer:
         yield from families.values()
 
     def close(self) -> None:
-        """Stop serving."""
+        """Stop serving: no new connection, every open one closed, every thread ended."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server with a bound on connections, read timeouts and a close that ends
+    every connection thread."""
+
+    daemon_threads = False
+    block_on_close = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # too many at once: this one is closed
+            self.shutdown_request(request)
+            return
+        with self._open_lock:
+            self._open.add(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def _done(self, request: Any) -> None:
+        with self._open_lock:
+            if request in self._open:
+                self._open.discard(request)
+                self._slots.release()
+
+    def server_close(self) -> None:
+        with self._open_lock:
+            for conn in list(self._open):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        super().server_close()  # joins the connection threads (block_on_close)

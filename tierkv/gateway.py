@@ -34,11 +34,41 @@ from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.pool import contiguous_run, wide_view
 from tierkv.tensors import as_bytes, row_span
 
-__all__ = ["ByteBudget", "RowPlan", "TierGateway", "plan_rows"]
+__all__ = ["ByteBudget", "RateEstimate", "RowPlan", "TierGateway", "plan_rows"]
 
 log = logging.getLogger("tierkv")
 
 MIB = 1 << 20
+#: a read-rate estimate below the prior, unmeasured this long, is planned with the prior again
+REPROBE_S = 5.0
+#: the read-rate estimate is the median of this many recent samples (the prior counts as one
+#: until real ones push it out): one stalled moment moves it by at most one rank, never replaces it
+RATE_WINDOW = 5
+#: the read-rate estimate stays within these bounds (bytes/s) whatever a sample says
+MIN_RATE = 1e3
+MAX_RATE = 1e12
+
+
+class RateEstimate:
+    """A read rate from samples: the (upper) median of the last :data:`RATE_WINDOW`, bounded."""
+
+    def __init__(self, prior: float) -> None:
+        self.samples: collections.deque[float] = collections.deque([_bounded(prior)], maxlen=RATE_WINDOW)
+        self.value = self.samples[0]
+
+    def add(self, sample: float) -> float:
+        """Take one sample (bytes/s; NaN, zero or less carry no information) and return the estimate."""
+        if sample == sample and sample > 0:  # not NaN
+            self.samples.append(_bounded(sample))
+            ordered = sorted(self.samples)
+            self.value = ordered[len(ordered) // 2]
+        return self.value
+
+
+def _bounded(rate: float) -> float:
+    return min(max(float(rate), MIN_RATE), MAX_RATE)
+
+
 #: batches in a row that fail because the tier does not answer before it is taken for down
 DOWN_AFTER_FAILURES = 3
 EMA_ALPHA = 0.2
@@ -169,6 +199,8 @@ class TierGateway:
         self.ema_s_per_mib = 0.0
         self.read_bytes_per_s = float(cfg.read_bytes_per_s)
         self._read_samples = 0
+        self._last_read_sample = time.monotonic()
+        self._rate = RateEstimate(self.read_bytes_per_s)
         self._busy_since = 0.0
         self._loads_running = 0
         #: bytes of loads asked for and not landed yet (in flight or waiting for the budget)
@@ -548,12 +580,19 @@ class TierGateway:
         self._busy_since = now
         if nbytes <= 0 or busy <= 0:
             return
-        sample = nbytes / busy
+        self.read_bytes_per_s = self._rate.add(nbytes / busy)
         self._read_samples += 1
-        if self._read_samples == 1:
-            self.read_bytes_per_s = sample
-        else:
-            self.read_bytes_per_s += EMA_ALPHA * (sample - self.read_bytes_per_s)
+        self._last_read_sample = now
+
+    def planning_rate(self, now: float) -> float:
+        """The read rate the cost model plans with: the estimate, or, when it has fallen below the
+        configured prior and no load has measured it for :data:`REPROBE_S`, the prior again, so the
+        next restore loads and measures (a tier the cost model stopped using would otherwise never
+        be measured again: one slow moment would switch restores off for good)."""
+        prior = float(self.cfg.read_bytes_per_s)
+        if self.read_bytes_per_s < prior and now - self._last_read_sample >= REPROBE_S:
+            return prior
+        return max(self.read_bytes_per_s, 1.0)
 
     # ---- probes ---------------------------------------------------------------------------------
     async def probe(self, group: int, keys: list[bytes]) -> None:

@@ -154,7 +154,7 @@ class Resolver:
                 continue
             st = self.locate(group, k, now, work)
             if _TIER <= st < _MAYBE and weigh and not self.cost.worth_loading(
-                    block_bytes, self.gateways[st - _TIER].read_bytes_per_s):
+                    block_bytes, self.gateways[st - _TIER].planning_rate(time.monotonic())):
                 out.append(KeyState.MISS)  # recomputing it is faster
             elif _TIER <= st < _MAYBE:
                 out.append(KeyState.PROMOTING)
@@ -393,7 +393,8 @@ class Resolver:
                  status: Callable[[int, int], int]) -> int:
         """The prefix length worth loading, by :class:`~tierkv.costmodel.CostModel`."""
         gws = self.gateways
-        rate = [max(gw.read_bytes_per_s, 1.0) for gw in gws]
+        now = time.monotonic()
+        rate = [gw.planning_rate(now) for gw in gws]
         first_use: dict[int, int] = {}
 
         def cost(g: int, i: int, k: int) -> float:

@@ -6,15 +6,16 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from tierkv.config import format_validation_error
 from tierkv.errors import ConfigError
+from tierkv.numbers import Bytes, Count, Seconds, StrictNumbers
 
 __all__ = ["EngineSettings"]
 
 
-class EngineSettings(BaseModel):
+class EngineSettings(StrictNumbers):
     """The keys every adapter shares; each adapter subclasses it with its own keys, the name of
     its engine's extra-config option (``PREFIX``, used in error messages) and the keys the engine
     itself reads from it (``OWN_KEYS``: passed over, never refused)."""
@@ -25,21 +26,24 @@ class EngineSettings(BaseModel):
 
     #: bytes of tierkv's CPU pool, split between the groups by ``plan_pools`` (an adapter may
     #: leave it optional and size the pool from what its engine says)
-    cpu_bytes_to_use: PositiveInt
+    cpu_bytes_to_use: Bytes
     #: lower tiers, fastest first: ``{"kind": "fsspec", "url": ..., "codec": ...}`` and so on
     tiers: list[dict[str, Any]] = Field(default_factory=list)
     #: added to what the engine says of the model to name the namespace on persistent tiers
     namespace: str = ""
     #: sizes recurrent (Mamba) pools: this many requests' states at least
-    max_concurrent_requests: PositiveInt = 8
+    max_concurrent_requests: Count = 8
     eviction_policy: Literal["lru", "arc"] = "lru"
     #: pins of a request that made no call for this long are dropped (an engine may never finish it)
-    pin_lease_s: PositiveFloat = 300.0
+    pin_lease_s: Seconds = 300.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Self:
         """Validate the extra config, tiers included; errors are :class:`ConfigError` naming the
         bad key as the user wrote it (``<PREFIX>.tiers.1.url``)."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"invalid tierkv settings: {cls.PREFIX} must be a JSON object (a mapping of "
+                              f"keys to values), not {type(extra).__name__}")
         data = {k: v for k, v in dict(extra or {}).items() if k not in cls.OWN_KEYS}
         try:
             cfg = cls.model_validate(data)

@@ -9,14 +9,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import ConfigDict, Field, PositiveInt
 
 from tierkv.layout import Layout
+from tierkv.numbers import MAX_WAIT_S, StrictNumbers
 
 __all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext"]
-
-#: the longest any wait setting may be (one hour): a deadline is a bound, never "forever"
-MAX_WAIT_S = 3600.0
 
 #: called with ``"stored"`` or ``"removed"`` and the keys concerned
 KeyListener = Callable[[str, list[bytes]], None]
@@ -42,7 +40,7 @@ class Capabilities:
     bounded: bool = True
 
 
-class TierConfig(BaseModel):
+class TierConfig(StrictNumbers):
     """Settings every tier has. Backends subclass this with their own fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,12 +56,12 @@ class TierConfig(BaseModel):
     #: stores waiting past this many bytes (unset: 8 x ``max_inflight_bytes``), or whose wait the
     #: tier's measured latency puts above ``shed_after_s``, are shed and counted. Loads never are.
     max_queued_bytes: PositiveInt | None = None
-    shed_after_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    shed_after_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: concurrent load and probe calls
     read_concurrency: PositiveInt = 16
     #: how long a lookup trusts a presence probe of this tier: found, and not found
-    presence_ttl_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
-    negative_ttl_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    presence_ttl_s: float = Field(default=60.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    negative_ttl_s: float = Field(default=1.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: the read rate (bytes/s) the cost model assumes before the first load is measured
     read_bytes_per_s: float = Field(default=500e6, gt=0, allow_inf_nan=False)
     #: how long a store's start waits for this tier to open; a tier that has not answered by then

@@ -9,6 +9,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
 from tierkv.backends.base import TierConfig
 from tierkv.backends.fsopen import url_problem
 from tierkv.backends.redact import redact_url
+from tierkv.numbers import MAX_WAIT_S
 
 __all__ = ["FsspecTierConfig"]
 
@@ -54,9 +55,9 @@ class FsspecTierConfig(TierConfig):
     #: remote file systems (S3...): each request's deadline, and how often transient failures (503
     #: SlowDown, a 500, a dropped connection, a timeout) are tried again, with jittered backoff,
     #: within ``retry_budget_s``; then the request counts as failed
-    request_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    request_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     retry_attempts: PositiveInt = 4
-    retry_budget_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    retry_budget_s: float = Field(default=10.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
 
     @field_validator("url")
     @classmethod

@@ -34,7 +34,7 @@ from tierkv.backends.fsio import (
 from tierkv.backends.readproc import ReaderProcesses
 from tierkv.backends.readproc import supported as readproc_supported
 
-__all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT"]
+__all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
 
 log = logging.getLogger("tierkv.fsspec")
 
@@ -251,7 +251,7 @@ class LocalDriver(Driver):
         the file system cannot do it."""
         self.root_hint = directory
         if self.nowait and await self.run(probe_nowait, directory) is False:
-            await self._nowait_refused("the probe at start")
+            await self.refuse_nowait("the probe at start")
         self._start_readers()
         if self.direct_io is False:
             return
@@ -271,7 +271,7 @@ class LocalDriver(Driver):
         cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes)."""
         return {"direct_io": self.direct, "page_cache_reads": self.nowait}
 
-    async def _nowait_refused(self, how: str) -> None:
+    async def refuse_nowait(self, how: str) -> None:
         """Reads wait for the device from now on, and reader processes (which read only the page
         cache) stop; said once."""
         if not self.nowait:
@@ -458,7 +458,7 @@ class LocalDriver(Driver):
             for i, r in zip(todo, got, strict=True):
                 results[i] = r
             if any(isinstance(r, NoWaitUnsupported) for r in got):
-                await self._nowait_refused("a read")
+                await self.refuse_nowait("a read")
         cold = [i for i in todo if isinstance(results[i], WouldBlock)]
         if cold:
             if self._cold is None:

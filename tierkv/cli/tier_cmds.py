@@ -72,6 +72,12 @@ def _inspect(args: argparse.Namespace) -> int:
     others = len(report.other_files) + sum(ns.other_files for ns in report.namespaces)
     out.print(f"{report.url}: {len(report.namespaces)} namespace(s), {report.temp_files} temporary file(s), "
               f"{others} other file(s)")
+    if report.features:
+        f = report.features
+        reads = ("page cache first (RWF_NOWAIT), reader processes possible" if f.get("page_cache_reads")
+                 else "blocking reads (this file system refuses RWF_NOWAIT: tmpfs, FUSE, some NFS)")
+        direct = "supported" if f.get("direct_io") else "not used"
+        out.print(f"file system: {reads}; O_DIRECT writes {direct}")
     if report.hint:
         warn(report.hint)
     for ns in report.namespaces:

@@ -21,7 +21,14 @@ __all__ = ["TierKVHiCacheStorage"]
 
 def __getattr__(name: str) -> Any:
     if name == "TierKVHiCacheStorage":
-        from tierkv.adapters.sglang.storage import TierKVHiCacheStorage
-
+        try:
+            from tierkv.adapters.sglang.storage import TierKVHiCacheStorage
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "sglang":
+                raise
+            raise ModuleNotFoundError(
+                "TierKVHiCacheStorage runs inside SGLang, which is not installed in this Python "
+                f"({exc}): install SGLang 0.5.23 (pip install 'sglang==0.5.23') in the environment that "
+                "runs tierkv, or use the Python of SGLang's environment", name="sglang") from None
         return TierKVHiCacheStorage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

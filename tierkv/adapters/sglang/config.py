@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import PositiveInt
 
 from tierkv.adapters.settings import EngineSettings
+from tierkv.numbers import Bytes, Seconds
 
 __all__ = ["DEFAULT_CPU_MAX", "DEFAULT_CPU_MIN", "PREFIX", "SGLANG_OWN_KEYS", "SGLangConfig"]
 
@@ -34,7 +35,7 @@ class SGLangConfig(EngineSettings):
 
     #: bytes of tierkv's CPU pool; unset: a quarter of the bytes of SGLang's registered host pools,
     #: within [``DEFAULT_CPU_MIN``, ``DEFAULT_CPU_MAX``] (docs/sglang.md, Sizing)
-    cpu_bytes_to_use: PositiveInt | None = None  # type: ignore[assignment]
+    cpu_bytes_to_use: Bytes | None = None  # type: ignore[assignment]
     #: explicit slots of tierkv's CPU pool per SGLang pool name (``kv``, ``mamba``, ``swa``, ...)
     slots: dict[str, PositiveInt] | None = None
     #: sliding window in pages per sliding-window pool name (required for each such pool)
@@ -42,4 +43,4 @@ class SGLangConfig(EngineSettings):
     #: pool name -> group kind, overriding the kind derived from the name
     pool_kinds: dict[str, PoolKind] | None = None
     #: how long ``batch_exists`` waits for presence probes of slow tiers before it answers "absent"
-    probe_timeout_s: PositiveFloat = 10.0
+    probe_timeout_s: Seconds = 10.0

