@@ -198,3 +198,34 @@ async def test_inspect_says_what_the_store_found_the_file_system_does(shm_dir: P
     assert on_tmpfs.features["page_cache_reads"] is (not _tmpfs_refuses_nowait(str(shm_dir)))
     assert on_disk.features["page_cache_reads"] is (localfs.probe_nowait(str(tmp_path)) is not False)
     assert "features" in on_disk.to_json()
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for the test (root only, as CI runs)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True, timeout=30)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], timeout=30)
+
+
+def test_bench_tier_on_a_full_file_system_is_one_line_and_exit_2(full_tmpfs: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tierkv.cli", "bench", "tier", str(full_tmpfs), "--blocks", "32",
+           "--batch", "8", "--no-drop-caches"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "please report" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("tierkv: error:")]
+    assert len(errors) == 1 and "blocks were stored" in errors[0], proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if "records on" in ln and "failed" in ln]
+    assert 1 <= len(warnings) <= 32 // 8, proc.stderr[-3000:]  # one per failed batch, never per record

@@ -93,6 +93,11 @@ class NodesResult:
     nodes: list[dict[str, Any]] = field(default_factory=list)
     capacity_bytes: int | None = None
     held_bytes: int | None = None
+    #: records the tier holds once every node has written
+    held_records: int | None = None
+    #: the share of those records that belong to a usable prefix (one whose blocks are all there
+    #: from its first): what eviction left that can still be restored
+    usable_share: float | None = None
     seconds: float = 0.0
 
     @property
@@ -105,15 +110,16 @@ class NodesResult:
     def to_json(self) -> dict[str, Any]:
         """A plain dict for ``--json``."""
         return {"nodes": self.nodes, "capacity_bytes": self.capacity_bytes, "held_bytes": self.held_bytes,
+                "held_records": self.held_records, "usable_share": self.usable_share,
                 "seconds": self.seconds, "ok": self.ok}
 
 
-async def _held(spec: dict[str, Any]) -> int:
-    """Bytes of records in the namespace, listed by a store that writes nothing."""
+async def _held(spec: dict[str, Any]) -> tuple[int, int]:
+    """Bytes and records in the namespace, listed by a store that writes nothing."""
     from tierkv.audit import inspect_tier
 
     report = await inspect_tier(spec["url"], spec.get("storage_options") or {})
-    return sum(ns.bytes_on_disk for ns in report.namespaces)
+    return (sum(ns.bytes_on_disk for ns in report.namespaces), sum(ns.records for ns in report.namespaces))
 
 
 def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes: int,
@@ -137,7 +143,7 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
             line = p.stdout.readline()
             if not line:
                 raise child_failure("a node failed while writing", _tail(p))
-        held = anyio.run(_held, spec)
+        held, records = anyio.run(_held, spec)
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
@@ -148,7 +154,9 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
             if p.returncode != 0 or not out.strip():
                 raise child_failure("a node failed while restoring", err)
             results.append(json.loads(out.strip().splitlines()[-1]))
+        usable = sum(int(n["restored"]) for n in results)  # blocks of prefixes restorable from block 0
         return NodesResult(nodes=results, capacity_bytes=capacity_bytes, held_bytes=held,
+                           held_records=records, usable_share=usable / records if records else None,
                            seconds=time.perf_counter() - t0)
     finally:
         for p in procs:

@@ -348,7 +348,10 @@ class FsspecTier(Tier):
         ok = [False] * len(keys)
         too_large = 0
         errors: list[BaseException] = []
-        for i, res in enumerate(results):
+        # the ledger's age order: a prefix's first block the most recent, so eviction takes its end
+        # first and what stays is usable (a prefix without its first block is never of any use)
+        for i in reversed(range(len(results))):
+            res = results[i]
             if isinstance(res, BaseException):
                 self.count("write_errors")
                 errors.append(res)
@@ -413,7 +416,8 @@ class FsspecTier(Tier):
                 corrupt.append(path)
         self._warn_batch("reading records", errors, len(keys))
         # records not known yet were another process's, or not listed yet
-        learned, touch = self._ledger.read_many(read_paths, read_sizes, time.time())
+        learned, touch = self._ledger.read_many(read_paths[::-1], read_sizes[::-1], time.time())
+        touch.reverse()  # in key order again: the first the newest (see the driver's touch_many)
         if corrupt:
             for path in corrupt:
                 self._ledger.forget(path)

@@ -423,13 +423,20 @@ class LocalDriver(Driver):
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
                          nbytes: int) -> list[int | BaseException | None]:
-        """Encode and publish each record in one worker thread (``writev`` of its pieces)."""
+        """Encode and publish each record in one worker thread (``writev`` of its pieces). The
+        records of one call get file times in reverse order (the first the newest): a call holds
+        a prefix in order, and eviction by age then takes a prefix's end before its beginning."""
+        base = time.time_ns()
+        n = len(paths)
 
         def one(i: int) -> int | None:
             parts = job(i)
             if parts is None:
                 return None
             self._write_one(paths[i], parts)
+            when = base + (n - i) * 1000
+            with contextlib.suppress(OSError):
+                os.utime(paths[i], ns=(when, when), follow_symlinks=False)
             return sum(memoryview(p).nbytes for p in parts)
 
         return list(await self.map(one, len(paths), nbytes))
@@ -615,10 +622,12 @@ class LocalDriver(Driver):
     async def touch_many(self, paths: list[str]) -> None:
         """``os.utime`` in a worker thread."""
 
-        def touch() -> None:
-            for p in paths:
+        def touch() -> None:  # the first path the newest, as written (see write_each)
+            base = time.time_ns()
+            for i, p in enumerate(paths):
+                when = base + (len(paths) - i) * 1000
                 try:
-                    os.utime(p, follow_symlinks=False)
+                    os.utime(p, ns=(when, when), follow_symlinks=False)
                 except FileNotFoundError:
                     pass
 

@@ -185,5 +185,8 @@ def _nodes(args: argparse.Namespace) -> int:
                       n["stores_failed"]) for n in res.nodes], out)
         if res.capacity_bytes is not None:
             out.print(f"the tier holds {res.held_bytes:,} bytes for a capacity of {res.capacity_bytes:,}")
+        if res.usable_share is not None:
+            out.print(f"{res.usable_share:.1%} of the {res.held_records:,} records held belong to usable "
+                      "prefixes (all their blocks there from the first)")
         out.print("ok" if res.ok else "FAILED")
     return 0 if res.ok else 1
