@@ -101,3 +101,27 @@ def test_the_distribution_name_is_not_the_unrelated_project() -> None:
     assert name == DISTRIBUTION and name != "tierkv"
     hint = install_hint("s3")
     assert "s3fs" in hint and not WRONG_PROJECT.search(hint)
+
+
+def test_the_concurrent_restore_table_holds_what_the_benchmark_prints() -> None:
+    """docs/performance.md's deterministic table (steps, not seconds): its 8-request rows against a
+    run of the same scenarios now."""
+    import anyio
+
+    from tierkv.simulate import Scenario, run_scenario
+
+    text = (ROOT / "docs" / "performance.md").read_text()
+    row = r"^\| 8 \| (\d) \| \*\*([\d.]+)\*\* \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$"
+    rows = re.findall(row, text, re.M)
+    assert len(rows) == 3, "the table's 8-request rows are gone"
+    for slots, q_restored, q_steps, n_restored, n_steps, scratch in rows:
+        got = {}
+        for admission in ("queue", "naive"):
+            sc = Scenario(documents=8, requests=8, blocks=8, kinds=["full", "sliding_window", "recurrent"],
+                          slots={2: int(slots)}, default_slots=4096, block_bytes=4096, admission=admission,
+                          writer_subprocess=False, max_steps=1000)
+            got[admission] = anyio.run(run_scenario, sc)
+        q, n = got["queue"], got["naive"]
+        assert f"{q.restored_fraction:.3f}" == q_restored and f"{q.mean_steps_waited:.2f}" == q_steps
+        assert f"{n.restored_fraction:.3f}" == n_restored and f"{n.mean_steps_waited:.2f}" == n_steps
+        assert str(sum(r.from_scratch for r in n.requests)) == scratch
