@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -195,3 +196,32 @@ async def test_a_new_store_promotes_listed_blocks_at_the_first_lookup(tmp_path: 
         await store.get(0, hs, out, request_id="r")
         assert torch.equal(out, blocks)
         assert "listed" not in events
+
+
+async def test_a_listener_that_blocks_never_stalls_the_store(tmp_path: Path) -> None:
+    """A router's listener that blocks (a slow network publish) runs on its own thread: flush and
+    lookups go on at their own pace, and its events still arrive, in order, once it wakes."""
+    import threading
+
+    release = threading.Event()
+    got: list[str] = []
+
+    def slow(_: int, event: str, keys: list[bytes]) -> None:
+        release.wait(10)
+        got.append(event)
+
+    hs, blocks = hashes(8, doc=9), data(8, seed=9)
+    store = TieredStore(cfg({"kind": "fsspec", "url": f"file://{tmp_path}"}))
+    store.subscribe_tier_events(slow)
+    async with store:
+        t0 = time.monotonic()
+        for i in range(8):
+            await store.put(0, hs[i:i + 1], blocks[i:i + 1])
+            await store.flush()
+        assert time.monotonic() - t0 < 3, "the listener held the event loop"
+        assert got == []
+        release.set()
+        with anyio.fail_after(10):
+            while len(got) < 8:
+                await anyio.sleep(0.01)
+    assert got == ["stored"] * 8 and store.stats().events_dropped == 0

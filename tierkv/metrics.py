@@ -150,6 +150,8 @@ class StoreStats(BaseModel):
     #: blocks evicted from the primary while no lower tier held them (gone from every tier)
     evictions_unbacked: int
     leases_expired: int
+    #: tier events not delivered to a listener that fell 65,536 events behind
+    events_dropped: int = 0
     cost: CostStats = Field(default_factory=CostStats)
     #: requests that stayed PENDING past their deadline and recomputed what was not ready
     pending_deadline_miss: int = 0

@@ -38,6 +38,7 @@ from tierkv.config import StoreConfig
 from tierkv.costmodel import CostModel
 from tierkv.engine import EngineSlots, Reservation, pool_for
 from tierkv.errors import BackendError, ConfigError, InvalidArgument, StoreClosed
+from tierkv.events import ListenerThread
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
@@ -90,6 +91,7 @@ class TieredStore:
         self._reader: Reader | None = None
         self._metrics: Any = None
         self._watches: list[TierWatch] = []
+        self._listeners: list[ListenerThread] = []
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         cfg = self.config
@@ -230,6 +232,8 @@ class TieredStore:
                         log.warning("closing tier %d (%s) did not end within close_timeout_s=%g: left to "
                                     "end on its own", gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
                 await _close_all([self._primary])
+                for lt in self._listeners:
+                    await anyio.to_thread.run_sync(lt.close, abandon_on_cancel=True)
             for pool in self._pools.values():
                 pool.release()
 
@@ -469,10 +473,17 @@ class TieredStore:
         """Call ``listener(tier_index, "stored" | "removed", keys)`` as blocks appear in or leave a
         lower tier: written by a cascade; evicted for capacity, found corrupt, or gone from a listing
         (another process evicted them, ``tierkv verify --repair`` removed them). Primary pool
-        evictions are :meth:`EngineSlots.subscribe_evictions`'s."""
+        evictions are :meth:`EngineSlots.subscribe_evictions`'s.
+
+        The listener runs on a thread of its own, never on the store's event loop: one that blocks
+        delays only its own events (past 65,536 queued, new ones are dropped and counted in
+        ``stats().events_dropped``)."""
+        relay_thread = ListenerThread(listener)
+        self._listeners.append(relay_thread)
+
         def relay(tier: int, event: str, keys: list[bytes]) -> None:
             if event != "listed":  # what a listing saw is for the gateways' presence, not news
-                listener(tier, event, keys)
+                relay_thread.put(tier, event, keys)
 
         for i, t in enumerate(self._tiers[1:], start=1):
             t.add_listener(functools.partial(relay, i))
@@ -525,6 +536,7 @@ class TieredStore:
             pending_seconds=(self._resolver.pending_seconds.snapshot() if self._resolver is not None
                              else HistogramStats()),
             promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
+            events_dropped=sum(lt.dropped for lt in self._listeners),
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
                 self._cascader.dropped if self._cascader is not None else 0)})
 
