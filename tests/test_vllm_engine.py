@@ -108,3 +108,17 @@ def test_concurrent_restores_through_a_small_recurrent_pool(models_dir: str, tmp
         out = gen(ev, "run1", i)
         assert out["num_cached_tokens"] == owns[i], f"request {i} was not restored whole"
         same_output(firsts[i], out)
+
+
+def test_the_measured_prefill_rate_matches_the_engines_own(models_dir: str, tmp_path: Path) -> None:
+    """The vLLM adapter measures the engine's prefill rate from the blocks vLLM stores as it
+    computes them (the cost model's input when recompute_tokens_per_s is unset); on a real engine
+    prefilling fresh prompts it is within 2x of the tokens/s the engine's own timing gives."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ev = run(models_dir, shm, model="llama", url=f"file://{tmp_path / 'tier'}", steps=["rate"],
+             rate_prompts=256, rate_len=480)
+    rate = next(e for e in ev if e["kind"] == "rate")
+    measured, engine = rate["measured_tokens_per_s"], rate["engine_tokens_per_s"]
+    assert measured is not None, rate
+    assert engine / 2 <= measured <= engine * 2, rate

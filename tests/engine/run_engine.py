@@ -99,9 +99,24 @@ def main() -> None:
             emit("generate", tag=tag, prompt=i, num_cached_tokens=out.num_cached_tokens,
                  token_ids=list(c.token_ids), logprobs=lps)
 
+    def rate() -> None:
+        """Prefill of fresh prompts (one output token each): the engine's own tokens/s against the
+        rate tierkv's manager measured from the blocks it stored meanwhile."""
+        n, length = args.get("rate_prompts", 64), args.get("rate_len", 480)
+        fresh = prompts(n, length, args.get("seed", 1234) + 7)
+        one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in fresh], one, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+        emit("rate", engine_tokens_per_s=n * length / elapsed, seconds=elapsed,
+             measured_tokens_per_s=manager.store.stats().cost.recompute_tokens_per_s)
+
     for step in args.get("steps", ["run"]):
         if step == "reset":
             llm.reset_prefix_cache()
+        elif step == "rate":
+            rate()
         else:
             run(step)
     llm.llm_engine.engine_core.shutdown()
