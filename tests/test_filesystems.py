@@ -229,3 +229,53 @@ def test_bench_tier_on_a_full_file_system_is_one_line_and_exit_2(full_tmpfs: Pat
     assert len(errors) == 1 and "blocks were stored" in errors[0], proc.stderr[-3000:]
     warnings = [ln for ln in proc.stderr.splitlines() if "records on" in ln and "failed" in ln]
     assert 1 <= len(warnings) <= 32 // 8, proc.stderr[-3000:]  # one per failed batch, never per record
+
+
+# ---- who can read the cache -------------------------------------------------------------------------
+def _modes(root: Path) -> dict[str, int]:
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            out[str(p.relative_to(root))] = p.stat().st_mode & 0o777
+    return out
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+async def test_nothing_a_tier_creates_is_readable_by_others_under_umask_022(tmp_path: Path,
+                                                                           direct_io: bool) -> None:
+    root = tmp_path / "new" / "kv"  # the tier creates its root too
+    old = os.umask(0o022)
+    try:
+        async with TieredStore(cfg(root, direct_io=direct_io if direct_io else False)) as store:
+            await store.put(0, hashes(4, doc=8), blocks(4, BB, seed=8))
+            await store.flush()
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / "new")
+    assert any(name.endswith(".tkv") for name in modes) and any(n.endswith("layout.json") for n in modes)
+    assert {oct(m) for m in modes.values() if m & 0o077} == set(), modes
+
+
+async def test_file_mode_gives_a_service_group_read_access(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    old = os.umask(0o077)  # even a stricter umask does not take what file_mode grants
+    try:
+        async with TieredStore(cfg(root, file_mode="0o640")) as store:
+            await store.put(0, hashes(2, doc=9), blocks(2, BB, seed=9))
+            await store.flush()
+    finally:
+        os.umask(old)
+    modes = _modes(root)
+    files = {m for n, m in modes.items() if (root / n).is_file()}
+    dirs = {m for n, m in modes.items() if (root / n).is_dir()}
+    assert files == {0o640} and dirs == {0o750}, modes
+
+
+@pytest.mark.parametrize("mode", [0o644 | 0o100, 0o400, 0o1600, "rw-r--r--"])
+def test_a_file_mode_that_makes_no_sense_is_refused(tmp_path: Path, mode: object) -> None:
+    from tierkv.config import StoreConfig
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="file_mode"):
+        StoreConfig(**cfg(tmp_path, file_mode=mode))

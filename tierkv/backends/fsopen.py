@@ -123,7 +123,7 @@ S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "st
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
                 threads: int | None, fsync: bool, depth: int = 16,
                 retry: RetryPolicy | None = None, direct_io: bool | str = False,
-                read_processes: int | str = 0) -> tuple[Driver, str]:
+                read_processes: int | str = 0, file_mode: int = 0o600) -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
@@ -146,7 +146,8 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
             root = os.path.abspath(root)
         threads = threads or default_io_threads(local=True)
         procs = default_read_processes() if read_processes == "auto" else int(read_processes)
-        return LocalDriver(limiter, threads, fsync, depth, direct_io, procs), root.rstrip("/") or "/"
+        driver = LocalDriver(limiter, threads, fsync, depth, direct_io, procs, file_mode)
+        return driver, root.rstrip("/") or "/"
     import fsspec
 
     try:

@@ -41,6 +41,10 @@ class FsspecTierConfig(TierConfig):
     #: engine loop in this process does not slow a restore down; ``"auto"``: the CPU count, 1 to
     #: 4; 0: threads only. Linux only (elsewhere: threads).
     read_processes: Literal["auto"] | NonNegativeInt = "auto"
+    #: local paths: the mode of every file the tier creates (records, temporaries, layout.json);
+    #: its directories get the matching search bits (0o600 -> 0o700, 0o640 -> 0o750). Owner read
+    #: and write are required; no execute bits. Default: owner only (a KV cache holds prompts)
+    file_mode: int = Field(default=0o600, ge=0o600, le=0o666)
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
@@ -58,6 +62,24 @@ class FsspecTierConfig(TierConfig):
     request_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     retry_attempts: PositiveInt = 4
     retry_budget_s: float = Field(default=10.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
+
+    @field_validator("file_mode", mode="before")
+    @classmethod
+    def _octal(cls, v: object) -> object:
+        if isinstance(v, str):  # "0o640" or "640" in a JSON or YAML config
+            try:
+                return int(v.strip().removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"{v!r} is not an octal file mode such as 0o640") from None
+        return v
+
+    @field_validator("file_mode")
+    @classmethod
+    def _sane_mode(cls, v: int) -> int:
+        if v & 0o600 != 0o600 or v & 0o111 or v & ~0o777:
+            raise ValueError(f"{oct(v)}: owner read and write are needed, execute bits are not allowed "
+                             "(directories get them from the read bits)")
+        return v
 
     @field_validator("url")
     @classmethod

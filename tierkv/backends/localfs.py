@@ -207,7 +207,7 @@ class LocalDriver(Driver):
     """
 
     def __init__(self, limiter: anyio.CapacityLimiter, threads: int, fsync: bool, depth: int = 16,
-                 direct_io: bool | str = False, read_processes: int = 0) -> None:
+                 direct_io: bool | str = False, read_processes: int = 0, file_mode: int = 0o600) -> None:
         super().__init__(limiter)
         self.threads = threads
         self.depth = max(depth, threads)
@@ -230,6 +230,9 @@ class LocalDriver(Driver):
         #: the file system refuses it (tmpfs, FUSE), found by :meth:`prepare` or by a refused read
         self.nowait = RWF_NOWAIT is not None
         self.root_hint = "a local tier"
+        #: every file this driver creates gets this mode, every directory the matching search bits
+        self.file_mode = file_mode
+        self.dir_mode = file_mode | ((file_mode & 0o444) >> 2)
         self._abandoned = False
         self._abandon_event: asyncio.Event | None = None
 
@@ -528,7 +531,7 @@ class LocalDriver(Driver):
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
         d = path.rpartition("/")[0]
         if d not in self._dirs:
-            os.makedirs(d, exist_ok=True)
+            self._makedirs(d)
             self._dirs.add(d)
         bufs = data if isinstance(data, list) else [data]
         total = sum(memoryview(b).nbytes for b in bufs)
@@ -562,11 +565,14 @@ class LocalDriver(Driver):
         """Write ``bufs`` to the new file ``tmp`` (removed again when anything fails)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (directio.O_DIRECT if direct else 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, self.file_mode)
         except FileNotFoundError:
             # the directory vanished under us (another process or tool removed it): recreate it
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
+            self._makedirs(d)
+            fd = os.open(tmp, flags, self.file_mode)
+        if self.file_mode != 0o600:  # what the umask took from a wider mode (0o600 it never narrows)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, self.file_mode)
         try:
             if direct:
                 directio.write_file(fd, bufs)
@@ -583,6 +589,23 @@ class LocalDriver(Driver):
             _unlink_quiet(tmp)
             raise
         os.close(fd)
+
+    def _makedirs(self, d: str) -> None:
+        """Create ``d`` and its missing parents, each with :attr:`dir_mode` (``os.makedirs`` gives
+        the parents the umask's default, 0o755 under the usual umask)."""
+        missing = []
+        p = d
+        while p and p != "/" and not os.path.isdir(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for p in reversed(missing):
+            try:
+                os.mkdir(p, self.dir_mode)
+            except FileExistsError:
+                continue
+            if self.dir_mode != 0o700:
+                with contextlib.suppress(OSError):
+                    os.chmod(p, self.dir_mode)
 
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """Write the batch in chunks over the worker threads."""
