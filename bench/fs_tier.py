@@ -302,7 +302,7 @@ class FileBench:
                 "tiers": [{"kind": "cpu", "slots": {GROUP: self.n}},
                           {"kind": "fsspec", "url": url, "io_threads": a.io_threads, "scan_on_open": False,
                            "max_inflight_bytes": 4 * self.n * self.bb, "max_inflight_ops": a.inflight,
-                           "read_concurrency": a.inflight, "shed_after_s": 1e9}]}
+                           "read_concurrency": a.inflight, "shed_after_s": 3600.0}]}
 
     async def round(self, rnd: int) -> None:
         a, n, rdir = self.args, self.n, f"{self.base}/file-r{rnd}"

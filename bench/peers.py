@@ -42,8 +42,8 @@ Threads (``--threads T``, default 4): vLLM ``n_read_threads = ceil(T/2)``, ``n_w
 floor(T/2)`` (its DualQueueThreadPool lets every thread take either queue, so that is T threads at
 work in a store or a load phase); tierkv ``io_threads = io_depth = read_concurrency = T``; LMCache
 ``disk_io_threads = T`` (its put workers and its read pool). tierkv's ``shed_after_s`` is raised
-to a day: the peers never drop a store under load (vLLM's ``backpressure`` is off by default), and
-a shed store would be a miss at load time.
+to an hour (the most a wait setting may be): the peers never drop a store under load (vLLM's
+``backpressure`` is off by default), and a shed store would be a miss at load time.
 
 Workload: per block size (``--sizes``), random bf16 KV-like blocks (per-channel log-normal scales,
 2 % outlier channels, AR(1) along tokens; a pool of distinct blocks, each block's first 8 bytes
@@ -671,7 +671,7 @@ class TierkvSystem(ManagerSystem):
 
         t = self.cfg.threads
         self.settings = {"io_threads": t, "io_depth": t, "read_concurrency": t, "codec": self.codec,
-                         "shed_after_s": 86400.0}
+                         "shed_after_s": 3600.0}
         self.version = f"tierkv {getattr(tierkv, '__version__', '?')}, {self.version}"
         if self.patched:
             patch_tierkv_submit()

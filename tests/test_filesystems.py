@@ -3,7 +3,6 @@ reads (``RWF_NOWAIT``), and tiers that are silent, stalled or down when a store 
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
@@ -11,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import fsspec
@@ -18,10 +18,13 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from helpers import blocks, hashes
+from test_fsspec_tier import logs
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends import localfs
 from tierkv.errors import BackendError
+
+__all__ = ["logs"]  # a fixture, imported for this module
 
 pytestmark = pytest.mark.anyio
 
@@ -57,21 +60,20 @@ async def _restore(store: TieredStore, hs: list[bytes]) -> torch.Tensor:
     return out
 
 
-async def test_a_tmpfs_tier_serves_every_restore(shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="tierkv")
+async def test_a_tmpfs_tier_serves_every_restore(shm_dir: Path, logs: Any) -> None:
     hs, data = hashes(8), blocks(8, BB, seed=1)
     async with TieredStore(cfg(shm_dir)) as store:
         await store.put(0, hs, data)
         await store.flush()
-    caplog.clear()
+    logs.lines.clear()
     async with TieredStore(cfg(shm_dir)) as store:
         assert torch.equal(await _restore(store, hs), data)
         backend = store.stats().tiers[1].backend
         assert backend.get("read_errors", 0) == 0
         if _tmpfs_refuses_nowait(str(shm_dir)):
             assert backend.get("nowait_refused") == 1
-            said = [r for r in caplog.records if "RWF_NOWAIT" in r.getMessage()]
-            assert len(said) == 1, [r.getMessage() for r in said]  # once, not per record
+            said = [line for line in logs.lines if "RWF_NOWAIT" in line]
+            assert len(said) == 1, said  # once, not per record
 
 
 async def test_a_refused_page_cache_read_falls_back_in_the_same_call(

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.base")
 
 import torch
+from test_fsspec_tier import logs
 from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
@@ -49,6 +50,8 @@ from tierkv.record import read_header
 WORKER_BYTES = 4096  # worker_kv_bytes_per_block; one chunk = one block = one page
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
+
+__all__ = ["logs"]  # a fixture, imported for this module
 
 
 class Setup:
@@ -585,7 +588,7 @@ def test_config_errors_name_the_key(make: Callable[..., Setup], entry: dict[str,
 
 
 def test_vllm_unmaps_its_primary_after_cold_and_corrupt_reads_without_a_collection(
-        make: Callable[..., Setup], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        make: Callable[..., Setup], tmp_path: Path, logs: Any) -> None:
     """vLLM closes its shared region right after the tier's shutdown: nothing of tierkv's may still
     hold a view of it then, also when no garbage collection ran (an engine freezes its heap; a read
     that failed or had to wait kept its buffers in a traceback's reference cycle)."""
@@ -612,4 +615,5 @@ def test_vllm_unmaps_its_primary_after_cold_and_corrupt_reads_without_a_collecti
     finally:
         gc.enable()
     assert sum(r is HIT for r in final.values()) == 5
-    assert "Failed to close" not in caplog.text and "BufferError" not in caplog.text, caplog.text[-2000:]
+    text = "\n".join(logs.lines)
+    assert "Failed to close" not in text and "BufferError" not in text, text[-2000:]
