@@ -281,3 +281,24 @@ def test_a_file_mode_that_makes_no_sense_is_refused(tmp_path: Path, mode: object
 
     with pytest.raises(ConfigError, match="file_mode"):
         StoreConfig(**cfg(tmp_path, file_mode=mode))
+
+
+async def test_verify_never_calls_sound_what_the_stores_read_path_cannot_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from tierkv.audit import verify_tier
+
+    hs, data = hashes(4, doc=12), blocks(4, BB, seed=12)
+    async with TieredStore(cfg(tmp_path)) as store:
+        await store.put(0, hs, data)
+        await store.flush()
+    assert (await verify_tier(f"file://{tmp_path}")).ok == 4
+
+    def refused(self: Any, buf: Any) -> Any:  # plain reads work, the store's read path does not
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(localfs.LocalSource, "read_all", refused)
+    report = await verify_tier(f"file://{tmp_path}")
+    assert report.ok == 0 and len(report.errors) == 4
+    assert all("the store's read path" in p.detail for p in report.errors)
