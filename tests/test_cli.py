@@ -50,3 +50,14 @@ def test_simulate_with_a_bad_url_is_one_line_in_any_mode(extra: list[str]) -> No
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no file system for nosuch://" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "frozen" not in proc.stderr
+
+
+def test_the_tools_run_where_pytest_is_not_installed() -> None:
+    """``scripts/dev demo`` builds a venv without the test extra: simulate and nodes must not
+    import pytest (through tierkv.testing)."""
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "import tierkv.simulate, tierkv.nodes, tierkv.cli.run_cmds\n"
+            "from tierkv.testing import processes\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
