@@ -302,3 +302,43 @@ async def test_verify_never_calls_sound_what_the_stores_read_path_cannot_read(
     report = await verify_tier(f"file://{tmp_path}")
     assert report.ok == 0 and len(report.errors) == 4
     assert all("the store's read path" in p.detail for p in report.errors)
+
+
+HUNG_READ = """
+import os, sys, time, anyio, torch
+sys.path.insert(0, {tests!r})
+from helpers import blocks, hashes
+from tierkv import GroupSpec, Layout, Lookup, TieredStore
+layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=65536)])
+cfg = {{"layout": layout, "namespace": "hung", "max_pending_s": 1, "tiers": [
+    {{"kind": "cpu", "slots": {{0: 16}}}},
+    {{"kind": "fsspec", "url": "file://{root}", "close_timeout_s": 2, "read_processes": 0}}]}}
+hs = hashes(4, doc=1)
+async def main():
+    async with TieredStore(cfg) as store:
+        await store.put(0, hs, blocks(4, 65536, seed=1))
+        await store.flush()
+    def hang(*a, **k):  # every read of a record now hangs, as on a stopped FUSE daemon
+        time.sleep(3600)
+    os.preadv = os.readv = hang
+    async with TieredStore(cfg) as store:
+        t0 = time.monotonic()
+        while store.lookup_prefix(hs, request_id="r").state is Lookup.PENDING:
+            await anyio.sleep(0.01)
+        print("answered", round(time.monotonic() - t0, 1), flush=True)
+    print("closed", flush=True)
+anyio.run(main)
+"""
+
+
+def test_a_read_hung_in_the_kernel_holds_neither_close_nor_the_exit_of_the_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = HUNG_READ.format(tests=str(Path(__file__).parent), root=str(tmp_path / "kv"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "answered" in proc.stdout and "closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert took < 60, f"the process took {took:.0f} s to exit: a stuck I/O thread held it"

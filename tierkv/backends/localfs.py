@@ -12,7 +12,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
@@ -33,6 +32,7 @@ from tierkv.backends.fsio import (
 )
 from tierkv.backends.readproc import ReaderProcesses
 from tierkv.backends.readproc import supported as readproc_supported
+from tierkv.backends.threads import DaemonPool
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
 
@@ -219,9 +219,9 @@ class LocalDriver(Driver):
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
         self._dirs: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierkv-io")
+        self._pool = DaemonPool(threads, "tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
-        self._cold: ThreadPoolExecutor | None = None
+        self._cold: DaemonPool | None = None
         #: helper processes for reads into shared memory (:mod:`~tierkv.backends.readproc`)
         self.read_processes = read_processes if readproc_supported() else 0
         self._readers: ReaderProcesses | None = None
@@ -329,7 +329,7 @@ class LocalDriver(Driver):
             self._abandon_event.set()
 
     async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None,
-                       pool: ThreadPoolExecutor | None = None, buffers: bool = True) -> list[T]:
+                       pool: DaemonPool | None = None, buffers: bool = True) -> list[T]:
         """Run ``calls`` on the pool; their results in order, once every one has ended.
 
         The event loop is woken once, when the last call ends (not once per call). On
@@ -419,10 +419,10 @@ class LocalDriver(Driver):
         for pool in (self._pool, self._cold):
             if pool is None:
                 continue
-            if self._abandoned:
-                pool.shutdown(wait=False, cancel_futures=True)
-            else:
-                await anyio.to_thread.run_sync(pool.shutdown, abandon_on_cancel=True)
+            pool.shutdown(wait=False, cancel_futures=self._abandoned)
+            # waited for here, not in a thread: a cancelled close leaves a stuck one behind at once
+            while not self._abandoned and pool.busy():
+                await anyio.sleep(0.005)
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
                          nbytes: int) -> list[int | BaseException | None]:
@@ -472,7 +472,7 @@ class LocalDriver(Driver):
         cold = [i for i in todo if isinstance(results[i], WouldBlock)]
         if cold:
             if self._cold is None:
-                self._cold = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="tierkv-io-wait")
+                self._cold = DaemonPool(self.depth, "tierkv-io-wait")
             stop = [False]
 
             def one(i: int) -> None:
