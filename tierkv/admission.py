@@ -15,16 +15,22 @@ Rules (docs/design.md, "Admission"):
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import anyio
+
 from tierkv.errors import InvalidArgument
 from tierkv.pool import SlotPool
 
 __all__ = ["Admission", "Promotion", "Request", "Want"]
+
+log = logging.getLogger("tierkv")
 
 #: a block a request wants promoted: its key and the position of the lower tier that holds it
 Want = tuple[bytes, int]
@@ -92,6 +98,8 @@ class Admission:
         self.requests: dict[str, Request] = {}
         #: request ids waiting for slots, first come first served
         self.queue: OrderedDict[str, None] = OrderedDict()
+        #: requests whose pins were dropped because they made no call for the lease
+        self.leases_expired = 0
 
     # ---- requests and pins ----------------------------------------------------------------------
     def request(self, request_id: str | None) -> Request | None:
@@ -192,6 +200,18 @@ class Admission:
         """Ids of requests that made no call for ``lease_s`` seconds."""
         cutoff = self.clock() - lease_s
         return [r.rid for r in self.requests.values() if r.last_seen < cutoff and r.rid is not None]
+
+    async def sweep_leases(self, lease_s: float, lock: threading.RLock, changed: Callable[[], None]) -> None:
+        """For ever: release the requests that made no call for ``lease_s`` seconds (counted in
+        :attr:`leases_expired`), then tell ``changed`` (under ``lock``)."""
+        while True:
+            await anyio.sleep(min(1.0, lease_s / 4))
+            with lock:
+                for rid in self.expired(lease_s):
+                    log.info("request %s made no call for %.1fs: its pins expired", rid, lease_s)
+                    self.release(rid)
+                    self.leases_expired += 1
+                changed()
 
     def pinned_in(self, req: Request, group: int) -> int:
         """How many keys of ``group`` ``req`` pins."""

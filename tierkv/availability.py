@@ -14,17 +14,19 @@ bucket, wrong credentials, no permission) fails the start with that error, as be
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 
 from tierkv.backends.base import Tier
 from tierkv.backends.fsio import unavailable
 from tierkv.bridge import LoopBridge
+from tierkv.errors import BackendError
 from tierkv.gateway import TierGateway
 from tierkv.pool import SlotPool
 
-__all__ = ["TierWatch"]
+__all__ = ["LowerTiers", "TierWatch"]
 
 log = logging.getLogger("tierkv")
 
@@ -72,7 +74,7 @@ class TierWatch:
                 with self._bridge.lock:
                     why = (f"no answer within open_timeout_s={self.gw.cfg.open_timeout_s:g}"
                            if isinstance(exc, TimeoutError) else str(exc)[:300] or type(exc).__name__)
-                    self.gw.down_reason = self.last_error = why
+                    self.gw.health.down_reason = self.last_error = why
                 if first:
                     log.warning("tier %d (%s) did not open: %s; the store works without it and "
                                 "attaches it when it answers", self.gw.index, self.tier.describe(), why)
@@ -81,7 +83,7 @@ class TierWatch:
             delay = min(MAX_BACKOFF_S, delay * 2)
         self.opened = True
         with self._bridge.lock:
-            self.gw.set_up(True)
+            self.gw.health.set_up(True)
         self._bridge.set_event(self.settled)
         self._bridge.spawn(self._background)
         await self._watch()
@@ -104,22 +106,23 @@ class TierWatch:
                         await self.tier.check()
                 except Exception as exc:
                     with self._bridge.lock:
-                        self.gw.down_reason = (str(exc)[:300] or type(exc).__name__) if not isinstance(
+                        self.gw.health.down_reason = (str(exc)[:300] or type(exc).__name__) if not isinstance(
                             exc, TimeoutError) else "no answer to the health check"
                     continue
                 with self._bridge.lock:
-                    self.gw.set_up(True)
+                    self.gw.health.set_up(True)
             self._redo()
 
     def _redo(self) -> None:
         """Cascade again, to this tier, the queued blocks still ready in the primary."""
         with self._bridge.lock:
             gw = self.gw
-            if not gw.redo or not gw.up:
+            redo = gw.health.redo
+            if not redo or not gw.up:
                 return
             by_group: dict[int, tuple[list[bytes], list[int]]] = {}
-            for _ in range(min(REDO_BATCH, len(gw.redo))):
-                (group, key), _attempts = gw.redo.popitem(last=False)
+            for _ in range(min(REDO_BATCH, len(redo))):
+                (group, key), _attempts = redo.popitem(last=False)
                 pool = self._pools.get(group)
                 slot = pool.slot_of(key) if pool is not None and pool.is_ready(key) else None
                 if slot is None:
@@ -130,3 +133,70 @@ class TierWatch:
                 slots.append(slot)
             for group, (keys, slots) in by_group.items():
                 self._recascade(group, keys, slots, gw)
+
+
+class LowerTiers:
+    """A store's lower tiers, from start to close: one :class:`TierWatch` each; the start's wait;
+    close's bounds (``close_timeout_s``) and what it leaves behind."""
+
+    def __init__(self, bridge: LoopBridge, gateways: Sequence[TierGateway], pools: Mapping[int, SlotPool],
+                 recascade: Callable[[int, list[bytes], list[int], TierGateway], None]) -> None:
+        self._bridge = bridge
+        self.gateways = list(gateways)
+        self.watches = [TierWatch(bridge, gw, pools, recascade) for gw in self.gateways]
+
+    def start(self) -> None:
+        """Open every lower tier in the background."""
+        for w in self.watches:
+            self._bridge.spawn(w.attach)
+
+    async def wait_open(self) -> None:
+        """Wait for each lower tier up to its ``open_timeout_s`` (all at once); raise for a tier
+        set up wrong, or a ``required`` one that did not open."""
+        t0 = time.monotonic()
+        for w in self.watches:
+            left = w.gw.cfg.open_timeout_s - (time.monotonic() - t0)
+            with anyio.move_on_after(max(0.0, left)):
+                await w.settled.wait()
+        for w in self.watches:
+            if w.fatal is not None:
+                raise w.fatal
+        for w in self.watches:
+            if w.gw.cfg.required and not w.opened:
+                why = w.last_error or "no answer"
+                raise BackendError(f"tier {w.gw.index} ({w.tier.describe()}) is required and did not open "
+                                   f"within open_timeout_s={w.gw.cfg.open_timeout_s:g}: {why}")
+
+    def close_bound(self) -> float:
+        """Seconds ``close()`` may wait for the lower tiers: the longest ``close_timeout_s``."""
+        return max((gw.cfg.close_timeout_s for gw in self.gateways), default=0.0)
+
+    def abandon_unwritten(self, pending: Mapping[int, int]) -> None:
+        """Cascades still running past the bound (``pending``: blocks per tier index): counted,
+        and no longer waited for."""
+        for gw in self.gateways:
+            n = pending.get(gw.index, 0)
+            if n:
+                gw.stats.stores_abandoned += n
+                gw.tier.abandon()
+                log.warning("close: %d blocks were not written to tier %d (%s) within close_timeout_s=%g",
+                            n, gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
+
+    async def abandon_at(self, deadline: float) -> None:
+        """At ``deadline`` (half a second at least), stop waiting for any tier's I/O."""
+        await anyio.sleep(max(0.5, deadline - time.monotonic()))
+        for gw in self.gateways:
+            gw.tier.abandon()
+
+    async def close(self, deadline: float) -> None:
+        """Close every lower tier, last first, each cut at ``deadline`` (half a second at least)."""
+        for gw in reversed(self.gateways):
+            with anyio.move_on_after(max(0.5, deadline - time.monotonic())) as scope:
+                try:
+                    await gw.tier.close()  # not shielded: its bound must be able to cut it
+                except Exception:
+                    log.exception("closing tier %s failed", gw.tier.describe())
+            if scope.cancelled_caught:
+                gw.tier.abandon()
+                log.warning("closing tier %d (%s) did not end within close_timeout_s=%g: left to "
+                            "end on its own", gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)

@@ -55,7 +55,7 @@ class Cascader:
         admitted = 0
         for gw in self._gateways if only is None else [only]:
             if not gw.up and only is None:
-                gw.requeue(group, keys)  # written when the tier answers, if still in the primary
+                gw.health.requeue(group, keys)  # written when the tier answers, if still in the primary
                 continue
             idx = [i for i, k in enumerate(keys) if gw.presence(group, k, now) is not True]
             gw.stats.stores_skipped += len(keys) - len(idx)
@@ -85,6 +85,10 @@ class Cascader:
             self.pending[gw.index] = self.pending.get(gw.index, 0) + len(sub_keys)
             self._bridge.spawn(self._run, gw, group, sub_keys, src, rows, sub_slots, nbytes)
         return admitted
+
+    def retry(self, group: int, keys: list[bytes], slots: list[int], gw: TierGateway) -> None:
+        """Write again, to ``gw`` only, blocks whose write failed while it was down (under the lock)."""
+        self.start(group, keys, slots, None, only=gw)
 
     async def _run(self, gw: TierGateway, group: int, keys: list[bytes], src: torch.Tensor,
                    rows: list[int], slots: list[int] | None, nbytes: int) -> None:

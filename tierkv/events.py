@@ -8,13 +8,17 @@ waiting at most ``timeout_s``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["QUEUE_EVENTS", "ListenerThread"]
+if TYPE_CHECKING:
+    from tierkv.backends.base import Tier
+
+__all__ = ["QUEUE_EVENTS", "ListenerThread", "subscribe"]
 
 log = logging.getLogger("tierkv")
 
@@ -57,3 +61,17 @@ class ListenerThread:
         except queue.Full:
             return
         self._thread.join(timeout_s)
+
+
+def subscribe(tiers: Sequence[Tier], listener: Callable[[int, str, list[bytes]], None]) -> ListenerThread:
+    """Relay the ``stored`` / ``removed`` events of ``tiers`` (tier index 1 first) to ``listener``
+    on a :class:`ListenerThread` of its own, which is returned (close it with the store)."""
+    thread = ListenerThread(listener)
+
+    def relay(tier: int, event: str, keys: list[bytes]) -> None:
+        if event != "listed":  # what a listing saw is for the gateways' presence, not news
+            thread.put(tier, event, keys)
+
+    for i, t in enumerate(tiers, start=1):
+        t.add_listener(functools.partial(relay, i))
+    return thread

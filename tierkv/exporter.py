@@ -9,6 +9,7 @@ counters, gauges and latency histograms in tierkv's one naming scheme (``tierkv_
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from typing import Any
 from tierkv.errors import ConfigError, install_hint
 from tierkv.metrics import StoreStats, histogram_samples, samples
 
-__all__ = ["MetricsServer"]
+__all__ = ["MetricsServer", "start_metrics"]
 
 
 #: connections served at once; more wait in the listen backlog, then are refused
@@ -137,3 +138,21 @@ class _BoundedServer(ThreadingHTTPServer):
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         super().server_close()  # joins the connection threads (block_on_close)
+
+
+def start_metrics(config: Any, stats: Callable[[], StoreStats]) -> MetricsServer | None:
+    """The endpoint a :class:`~tierkv.StoreConfig` asks for (``metrics_port``, else
+    ``TIERKV_METRICS_PORT``), or None. A port the environment names that cannot be bound (a second
+    store in one process) is one warning, not an error: the variable applies to every store."""
+    address = config.metrics_address()
+    if address is None:
+        return None
+    host, port, from_env = address
+    try:
+        return MetricsServer(stats, host, port)
+    except ConfigError as exc:
+        if not from_env:
+            raise
+        logging.getLogger("tierkv").warning("TIERKV_METRICS_PORT: no metrics endpoint for this store: %s",
+                                            exc)
+        return None

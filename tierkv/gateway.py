@@ -28,8 +28,7 @@ import anyio
 import torch
 
 from tierkv.backends.base import Tier
-from tierkv.backends.fsio import unavailable
-from tierkv.errors import BackendError
+from tierkv.health import TierHealth, why
 from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.pool import contiguous_run, wide_view
 from tierkv.tensors import as_bytes, row_span
@@ -69,8 +68,6 @@ def _bounded(rate: float) -> float:
     return min(max(float(rate), MIN_RATE), MAX_RATE)
 
 
-#: batches in a row that fail because the tier does not answer before it is taken for down
-DOWN_AFTER_FAILURES = 3
 EMA_ALPHA = 0.2
 PRESENCE_CACHE_ENTRIES = 1 << 20
 #: keys a tier event updates per hold of the lock
@@ -213,51 +210,17 @@ class TierGateway:
         self.probing: set[bytes] = set()
         #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
         self.version = 0
-        #: whether the tier answers: False until it opened, and while it is down (a write of a
-        #: whole batch failed, a probe or a read raised) until a health check answers again
-        self.up = up
-        self.down_reason = "" if up else "not opened yet"
-        self._unavailable_seen = 0
-        #: the last batches of writes that failed wholly because the tier did not answer
-        self._failing: collections.deque[tuple[int, list[bytes]]] = collections.deque(
-            maxlen=DOWN_AFTER_FAILURES)
-        self._failed_reads = 0
-        self._was_up = up
-        #: failed writes of blocks that may still be in the primary, written again once the tier
-        #: is up: (group, key) -> attempts so far
-        self.redo: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        #: whether the tier answers, and the writes that wait for it (:mod:`tierkv.health`)
+        self.health = TierHealth(index, tier, self.stats, up, self._presence_changed)
         tier.add_listener(self._on_tier_event)
 
-    # ---- availability ---------------------------------------------------------------------------
-    def set_up(self, up: bool, reason: str = "") -> None:
-        """The tier answers again (``up``), or it does not (``reason`` says why). Under the lock."""
-        if up == self.up:
-            return
-        self.up = up
-        self.down_reason = "" if up else reason
-        self.version += 1  # lookups answer again: a tier that is down holds nothing
-        if up:
-            if self._was_up:
-                log.info("tier %d (%s) answers again", self.index, self.tier.describe())
-            self._was_up = True
-        else:
-            log.warning("tier %d (%s) is down: %s; lookups do without it, failed writes are retried "
-                        "when it answers", self.index, self.tier.describe(), reason)
+    @property
+    def up(self) -> bool:
+        """Whether the tier answers (a tier that is down holds nothing, for lookups)."""
+        return self.health.up
 
-    def requeue(self, group: int, keys: Sequence[bytes], attempts: int = 1) -> None:
-        """Queue failed writes for a retry (bounded: past ``retry_queue_blocks`` the oldest go,
-        counted). Under the lock."""
-        limit = self.cfg.retry_queue_blocks
-        for k in keys:
-            if limit <= 0:
-                self.stats.stores_requeue_dropped += 1
-                continue
-            self.redo[(group, k)] = attempts
-            self.redo.move_to_end((group, k))
-            self.stats.stores_requeued += 1
-            while len(self.redo) > limit:
-                self.redo.popitem(last=False)
-                self.stats.stores_requeue_dropped += 1
+    def _presence_changed(self) -> None:
+        self.version += 1
 
     # ---- presence -------------------------------------------------------------------------------
     @property
@@ -418,7 +381,7 @@ class TierGateway:
             except Exception as exc:  # a failing lower tier never reaches the caller
                 raised.append(exc)
                 log.warning("writing %d blocks to tier %d (%s) failed: %s", len(sub), self.index,
-                            self.tier.describe(), _why(exc))
+                            self.tier.describe(), why(exc))
 
         try:
             await self._store_budget.acquire(nbytes)
@@ -440,44 +403,14 @@ class TierGateway:
                 n_ok = sum(ok)
                 self.stats.stores += n_ok
                 self.stats.stores_failed += len(keys) - n_ok
-                if n_ok < len(keys):
-                    failed = [k for k, good in zip(keys, ok, strict=True) if not good]
-                    self._after_failed_store(group, failed, n_ok, raised)
-                else:
-                    self._failing.clear()
+                self.health.stored(group, [k for k, good in zip(keys, ok, strict=True) if not good], n_ok,
+                                   raised)
                 self.stats.bytes_written += n_ok * block
                 if elapsed is not None and nbytes:
                     sample = elapsed / (nbytes / MIB)
                     self.ema_s_per_mib = sample if self.ema_s_per_mib == 0.0 else (
                         self.ema_s_per_mib + EMA_ALPHA * (sample - self.ema_s_per_mib))
         return ok
-
-    def _unavailable_errors(self) -> int:
-        """New errors that said the tier does not answer (the tier counts them) since last asked."""
-        seen = self.tier.counters.get("unavailable_errors", 0)
-        new, self._unavailable_seen = seen - self._unavailable_seen, seen
-        return new
-
-    def _after_failed_store(self, group: int, failed: list[bytes], n_ok: int,
-                            raised: list[BaseException]) -> None:
-        """Writes failed because the tier does not answer (not a full disk, not a record too large):
-        the failed keys wait for a retry, and the tier is down when none of the batch was written."""
-        down = [e for e in raised if unavailable(e)]
-        if not (self._unavailable_errors() or down) or n_ok:
-            return
-        self._failing.append((group, failed))
-        if len(self._failing) < DOWN_AFTER_FAILURES:
-            return  # one failed batch is a fault; several in a row, an outage
-        self.set_up(False, _why(down[0]) if down else "writes fail: it does not answer")
-        for g, keys in self._failing:
-            self.requeue(g, keys)
-        self._failing.clear()
-
-    def _read_failed(self, why: str) -> None:
-        """A read or probe failed because the tier did not answer; several in a row: it is down."""
-        self._failed_reads += 1
-        if self._failed_reads >= DOWN_AFTER_FAILURES:
-            self.set_up(False, why)
 
     # ---- loads ----------------------------------------------------------------------------------
     async def load(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
@@ -546,17 +479,13 @@ class TierGateway:
             async with self._read_limiter:
                 found = list(await self.tier.get(group, keys, buf))
             with self._lock:
-                if self._unavailable_errors() and not any(found):
-                    self._read_failed("reads fail: it does not answer")
-                elif any(found):
-                    self._failed_reads = 0
+                self.health.read(any(found))
         except Exception as exc:
             log.warning("reading %d blocks from tier %d (%s) failed: %s", len(keys), self.index,
-                        self.tier.describe(), _why(exc))
+                        self.tier.describe(), why(exc))
             with self._lock:
                 self.tier.count("read_errors")
-                if unavailable(exc):
-                    self._read_failed(_why(exc))
+                self.health.read(False, exc)
             found = [False] * len(keys)
         finally:
             with self._lock:
@@ -603,13 +532,12 @@ class TierGateway:
             with self._lock:
                 self.note_many(keys, found, time.monotonic())
                 self.stats.probes += len(keys)
-                self._failed_reads = 0
+                self.health.read(True)
         except Exception as exc:
-            log.warning("probing tier %d (%s) failed: %s", self.index, self.tier.describe(), _why(exc))
+            log.warning("probing tier %d (%s) failed: %s", self.index, self.tier.describe(), why(exc))
             with self._lock:
                 self.tier.count("probe_errors")
-                if unavailable(exc):
-                    self._read_failed(_why(exc))
+                self.health.read(False, exc)
                 now = time.monotonic()
                 for k in keys:
                     self.note(k, False, now)
@@ -637,15 +565,9 @@ class TierGateway:
         s.used_bytes = self.tier.used_bytes() if self.up else None
         s.backend = dict(self.tier.counters)
         s.up = int(self.up)
-        s.down_reason = self.down_reason
+        s.down_reason = self.health.down_reason
         return s
 
-
-def _why(exc: BaseException) -> str:
-    """One line on what failed; tierkv's backend errors are already free of credentials."""
-    if isinstance(exc, BackendError):
-        return str(exc)[:300]
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) -> torch.Tensor:

@@ -28,7 +28,7 @@ import anyio
 import torch
 
 from tierkv.admission import Admission
-from tierkv.availability import TierWatch
+from tierkv.availability import LowerTiers
 from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
@@ -37,8 +37,9 @@ from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
 from tierkv.costmodel import CostModel
 from tierkv.engine import EngineSlots, Reservation, pool_for
-from tierkv.errors import BackendError, ConfigError, InvalidArgument, StoreClosed
-from tierkv.events import ListenerThread
+from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
+from tierkv.events import ListenerThread, subscribe
+from tierkv.exporter import start_metrics
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
@@ -90,15 +91,14 @@ class TieredStore:
         self._engine: EngineSlots | None = None
         self._reader: Reader | None = None
         self._metrics: Any = None
-        self._watches: list[TierWatch] = []
+        self._lower = LowerTiers(self._bridge, [], {}, lambda *_: None)
         self._listeners: list[ListenerThread] = []
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         cfg = self.config
         self._cost = CostModel(self.layout.tokens_per_block, cfg.recompute_tokens_per_s, cfg.max_pending_s,
                                enabled=cfg.cost_model)
-        self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0,
-                        "evictions_unbacked": 0, "leases_expired": 0}
+        self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0, "evictions_unbacked": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> TieredStore:
@@ -119,19 +119,19 @@ class TieredStore:
         await self._primary.open()
         try:
             self._wire()
-            await self._start_metrics()
+            self._metrics = start_metrics(self.config, self.stats)
             await self._bridge.start()
         except BaseException:
             await _close_all([self._primary])
             raise
         self._open = True
-        self._bridge.spawn(self._lease_sweeper)
+        self._bridge.spawn(self._admission.sweep_leases, self.config.pin_lease_s, self._lock, self._changed)
         self._bridge.spawn(_guarded, self._primary.background)
-        self._watches = [TierWatch(self._bridge, gw, self._pools, self._recascade) for gw in self._gateways]
-        for w in self._watches:
-            self._bridge.spawn(w.attach)
+        assert self._cascader is not None
+        self._lower = LowerTiers(self._bridge, self._gateways, self._pools, self._cascader.retry)
+        self._lower.start()
         try:
-            await self._wait_for_tiers()
+            await self._lower.wait_open()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.close()
@@ -158,43 +158,6 @@ class TieredStore:
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
 
-    async def _start_metrics(self) -> None:
-        address = self.config.metrics_address()
-        if address is None:
-            return
-        from tierkv.exporter import MetricsServer
-
-        host, port, from_env = address
-        try:
-            self._metrics = MetricsServer(self.stats, host, port)
-        except ConfigError as exc:
-            if not from_env:
-                raise
-            # the variable applies to every store of the process: one that cannot bind serves none
-            log.warning("TIERKV_METRICS_PORT: no metrics endpoint for this store: %s", exc)
-
-    async def _wait_for_tiers(self) -> None:
-        """Wait for each lower tier up to its ``open_timeout_s`` (all at once); raise for a tier
-        set up wrong, or a ``required`` one that did not open."""
-        t0 = time.monotonic()
-        for w in self._watches:
-            left = w.gw.cfg.open_timeout_s - (time.monotonic() - t0)
-            with anyio.move_on_after(max(0.0, left)):
-                await w.settled.wait()
-        for w in self._watches:
-            if w.fatal is not None:
-                raise w.fatal
-        for w in self._watches:
-            if w.gw.cfg.required and not w.opened:
-                why = w.last_error or "no answer"
-                raise BackendError(f"tier {w.gw.index} ({w.tier.describe()}) is required and did not open "
-                                   f"within open_timeout_s={w.gw.cfg.open_timeout_s:g}: {why}")
-
-    def _recascade(self, group: int, keys: list[bytes], slots: list[int], gw: TierGateway) -> None:
-        """Write again, to ``gw`` only, blocks whose write failed while it was down (under the lock)."""
-        assert self._cascader is not None
-        self._cascader.start(group, keys, slots, None, only=gw)
-
     async def close(self) -> None:
         """Wait for admitted cascades (each tier at most its ``close_timeout_s``), stop background
         work, close every tier (each within its ``close_timeout_s``).
@@ -206,58 +169,33 @@ class TieredStore:
         """
         if not self._open:
             return
-        bound = max((gw.cfg.close_timeout_s for gw in self._gateways), default=0.0)
-        deadline = time.monotonic() + bound
+        lower = self._lower
+        deadline = time.monotonic() + lower.close_bound()
         try:
-            with anyio.move_on_after(bound):
+            with anyio.move_on_after(lower.close_bound()):
                 await self.flush()
-            self._abandon_unwritten()
+            if self._cascader is not None:
+                with self._lock:
+                    pending = dict(self._cascader.pending)
+                lower.abandon_unwritten(pending)
         finally:
             with self._lock:
                 self._open = False
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
                     # background work stuck on a tier that does not answer is left behind
-                    tg.start_soon(self._abandon_at, deadline)
+                    tg.start_soon(lower.abandon_at, deadline)
                     await self._bridge.stop()
                     tg.cancel_scope.cancel()
                 if self._metrics is not None:
                     self._metrics.close()
                     self._metrics = None
-                for gw in reversed(self._gateways):
-                    with anyio.move_on_after(max(0.5, deadline - time.monotonic())) as scope:
-                        try:
-                            await gw.tier.close()  # not shielded: its bound must be able to cut it
-                        except Exception:
-                            log.exception("closing tier %s failed", gw.tier.describe())
-                    if scope.cancelled_caught:
-                        gw.tier.abandon()
-                        log.warning("closing tier %d (%s) did not end within close_timeout_s=%g: left to "
-                                    "end on its own", gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
+                await lower.close(deadline)
                 await _close_all([self._primary])
                 for lt in self._listeners:
                     await anyio.to_thread.run_sync(lt.close, abandon_on_cancel=True)
             for pool in self._pools.values():
                 pool.release()
-
-    async def _abandon_at(self, deadline: float) -> None:
-        await anyio.sleep(max(0.5, deadline - time.monotonic()))
-        for gw in self._gateways:
-            gw.tier.abandon()
-
-    def _abandon_unwritten(self) -> None:
-        """Cascades still running after the close bound: count their blocks, stop waiting for them."""
-        if self._cascader is None:
-            return
-        with self._lock:
-            pending = dict(self._cascader.pending)
-        for gw in self._gateways:
-            n = pending.get(gw.index, 0)
-            if n:
-                gw.stats.stores_abandoned += n
-                gw.tier.abandon()
-                log.warning("close: %d blocks were not written to tier %d (%s) within close_timeout_s=%g",
-                            n, gw.index, gw.tier.describe(), gw.cfg.close_timeout_s)
 
     def _check_open(self) -> None:
         if not self._open:
@@ -282,6 +220,7 @@ class TieredStore:
 
     # ---- validation -----------------------------------------------------------------------------
     def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
+        self._check_open()
         pool = pool_for(self._pools, self.layout, group)
         return pool, [h + group.to_bytes(GROUP_BYTES, "big") for h in check_hashes(hashes)]
 
@@ -298,7 +237,6 @@ class TieredStore:
             self._put(group, hashes, blocks)
 
     def _put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
-        self._check_open()
         pool, keys = self._keys(group, hashes)
         src = byte_rows(blocks, len(keys), pool.block_bytes, "blocks", pool.device)
         self._counts["puts"] += 1
@@ -348,7 +286,6 @@ class TieredStore:
     def lookup_states(self, group: int, hashes: Sequence[bytes],
                       request_id: str | None = None) -> list[KeyState]:
         """:meth:`lookup` with the reason behind each answer (see :class:`KeyState`)."""
-        self._check_open()
         _, keys = self._keys(group, hashes)
         assert self._resolver is not None
         req = self._admission.request(request_id)
@@ -409,17 +346,6 @@ class TieredStore:
             assert self._resolver is not None
             self._start(Work(promotions=self._admission.service(self._resolver.held_by)))
 
-    async def _lease_sweeper(self) -> None:
-        lease = self.config.pin_lease_s
-        while True:
-            await anyio.sleep(min(1.0, lease / 4))
-            with self._lock:
-                for rid in self._admission.expired(lease):
-                    self._counts["leases_expired"] += 1
-                    log.info("request %s made no call for %.1fs: its pins expired", rid, lease)
-                    self._admission.release(rid)
-                self._changed()
-
     # ---- get / borrow -------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
                   request_id: str | None = None) -> None:
@@ -431,7 +357,6 @@ class TieredStore:
         With ``request_id``, that request's pins on these blocks are dropped once they are copied.
         """
         with self._lock:
-            self._check_open()
             pool, keys = self._keys(group, hashes)
             out8 = byte_rows(out, len(keys), pool.block_bytes, "out", pool.device, writable=True)
             req = self._admission.request(request_id)
@@ -452,7 +377,6 @@ class TieredStore:
         pins on these blocks are dropped on exit too.
         """
         with self._lock:
-            self._check_open()
             pool, keys = self._keys(group, hashes)
             req = self._admission.request(request_id)
         assert self._reader is not None
@@ -465,7 +389,6 @@ class TieredStore:
         of blocks all ready now (rows ``store.tiers[0].pools[group].tensor[slot]``), pinned until
         the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits."""
         with self._lock:
-            self._check_open()
             pool, keys = self._keys(group, hashes)
         assert self._reader is not None
         with self._reader.lend(group, pool, keys) as slots:
@@ -476,20 +399,9 @@ class TieredStore:
         """Call ``listener(tier_index, "stored" | "removed", keys)`` as blocks appear in or leave a
         lower tier: written by a cascade; evicted for capacity, found corrupt, or gone from a listing
         (another process evicted them, ``tierkv verify --repair`` removed them). Primary pool
-        evictions are :meth:`EngineSlots.subscribe_evictions`'s.
-
-        The listener runs on a thread of its own, never on the store's event loop: one that blocks
-        delays only its own events (past 65,536 queued, new ones are dropped and counted in
-        ``stats().events_dropped``)."""
-        relay_thread = ListenerThread(listener)
-        self._listeners.append(relay_thread)
-
-        def relay(tier: int, event: str, keys: list[bytes]) -> None:
-            if event != "listed":  # what a listing saw is for the gateways' presence, not news
-                relay_thread.put(tier, event, keys)
-
-        for i, t in enumerate(self._tiers[1:], start=1):
-            t.add_listener(functools.partial(relay, i))
+        evictions are :meth:`EngineSlots.subscribe_evictions`'s. The listener runs on a thread of
+        its own, never on the store's event loop (:mod:`tierkv.events`)."""
+        self._listeners.append(subscribe(self._tiers[1:], listener))
 
     @locked
     def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
@@ -540,6 +452,7 @@ class TieredStore:
                              else HistogramStats()),
             promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
             events_dropped=sum(lt.dropped for lt in self._listeners),
+            leases_expired=self._admission.leases_expired,
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
                 self._cascader.dropped if self._cascader is not None else 0)})
 

@@ -29,9 +29,9 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["BytesSource", "Driver", "Entry", "INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "RecordSource",
-           "SpecialFile", "TEMP_MARK", "WouldBlock", "abs_path", "info_mtime", "temp_name",
-           "temp_owner_alive"]
+__all__ = ["DOWN_TYPES", "INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
+           "Entry", "NoWaitUnsupported", "RecordSource", "SpecialFile", "WouldBlock", "abs_path", "detach",
+           "info_mtime", "temp_name", "temp_owner_alive", "unavailable"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -78,7 +78,7 @@ _DOWN_ERRNO = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN, errno.EH
                          errno.ENETUNREACH, errno.ENETDOWN, errno.EIO, errno.ETIMEDOUT,
                          errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED})
 #: botocore / aiohttp exceptions of a server that does not answer (matched by class name)
-_DOWN_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+DOWN_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
                          "ConnectTimeoutError", "ConnectionError", "ServerDisconnectedError",
                          "ClientConnectionError", "ClientOSError", "ProxyConnectionError",
                          "TimeoutError", "ServerTimeoutError", "TierUnavailable"})
@@ -92,7 +92,7 @@ def unavailable(exc: BaseException) -> bool:
     while e is not None and seen < 8:
         if isinstance(e, OSError) and e.errno in _DOWN_ERRNO:
             return True
-        if any(t.__name__ in _DOWN_TYPES for t in type(e).__mro__):
+        if any(t.__name__ in DOWN_TYPES for t in type(e).__mro__):
             return True
         e = e.__cause__ or e.__context__
         seen += 1

@@ -48,8 +48,8 @@ from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
     is_record_name,
-    key_from_name,
     keys_of,
+    listed_keys,
     manifest_bytes,
     manifest_path,
     namespace_path,
@@ -59,10 +59,9 @@ from tierkv.backends.namespace import (
 from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
 from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
-from tierkv.errors import BackendError, BackendNotFound, ConfigError, CorruptRecord, TierUnavailable
+from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable
 from tierkv.record import (
     encode_record_parts,
-    read_header,
 )
 from tierkv.tensors import as_bytes
 
@@ -129,14 +128,8 @@ class FsspecTier(Tier):
         return record_path(self.root, self.context.fingerprint, key)
 
     def _error(self, what: str, exc: BaseException) -> BackendError:
-        why = self._redact.error(exc)
-        return BackendError(f"{what} on {self.describe()}{self._endpoint()} failed: {why}")
-
-    def _endpoint(self) -> str:
-        """`` (endpoint URL)`` when the storage options name one (S3-compatible servers)."""
-        opts = self.cfg.storage_options
-        url = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
-        return f" (endpoint {self._redact(str(url))})" if url else ""
+        where = self._redact.endpoint(self.cfg.storage_options)
+        return BackendError(f"{what} on {self.describe()}{where} failed: {self._redact.error(exc)}")
 
     def _warn(self, what: str, exc: BaseException) -> None:
         log.warning("%s on %s failed: %s", what, self.describe(), self._redact.error(exc))
@@ -471,24 +464,9 @@ class FsspecTier(Tier):
     async def list_keys(self, group: int) -> list[bytes]:
         """Keys of every record of ``group`` in this namespace."""
         try:
-            listing = classify(self.root, await self.driver.listdir(f"{self.ns_root}/g{group:08x}"))
-            keys, unnamed = [], []
-            for e, rel in listing.records.get(self.context.fingerprint, []):
-                key = key_from_name(rel.rpartition("/")[2])
-                if key is not None:
-                    keys.append(key)
-                else:
-                    unnamed.append(e.path)
-            # long keys are named by a digest: their key is in the record's header
-            for data in await self.driver.read_many(unnamed, 8192):
-                if isinstance(data, bytes):
-                    try:
-                        keys.append(read_header(data).key)
-                    except CorruptRecord:
-                        continue
+            return await listed_keys(self.driver, self.root, self.context.fingerprint, group)
         except Exception as exc:
             raise self._error("listing records", exc) from None
-        return keys
 
     def used_bytes(self) -> int:
         """Bytes of the records this process knows of (all of them once the scan is done)."""

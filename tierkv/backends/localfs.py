@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import functools
@@ -32,7 +31,7 @@ from tierkv.backends.fsio import (
 )
 from tierkv.backends.readproc import ReaderProcesses
 from tierkv.backends.readproc import supported as readproc_supported
-from tierkv.backends.threads import DaemonPool
+from tierkv.backends.threads import DaemonPool, Jobs
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
 
@@ -183,9 +182,31 @@ class LocalSource:
             os.close(fd)
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+def make_dirs(d: str, mode: int) -> None:
+    """Create ``d`` and its missing parents, each with ``mode`` (``os.makedirs`` gives the parents
+    the umask's default, 0o755 under the usual umask)."""
+    missing = []
+    p = d
+    while p and p != "/" and not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, mode)
+        except FileExistsError:
+            continue
+        if mode != 0o700:  # what the umask took from a wider mode
+            with contextlib.suppress(OSError):
+                os.chmod(p, mode)
+
+
+def touch_in_order(paths: list[str]) -> None:
+    """Refresh the file times of ``paths``, the first the newest (as ``write_each`` writes them)."""
+    base = time.time_ns()
+    for i, p in enumerate(paths):
+        when = base + (len(paths) - i) * 1000
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(p, ns=(when, when), follow_symlinks=False)
 
 
 def _chunks(n: int, parts: int) -> list[range]:
@@ -233,8 +254,7 @@ class LocalDriver(Driver):
         #: every file this driver creates gets this mode, every directory the matching search bits
         self.file_mode = file_mode
         self.dir_mode = file_mode | ((file_mode & 0o444) >> 2)
-        self._abandoned = False
-        self._abandon_event: asyncio.Event | None = None
+        self._jobs = Jobs(self._count)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -320,67 +340,11 @@ class LocalDriver(Driver):
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` in one of this driver's threads; a cancelled caller does not wait
         for it (it touches no buffer of the caller's)."""
-        return (await self._run_all([functools.partial(fn, *args)], buffers=False))[0]
+        return (await self._jobs.run_all(self._pool, [functools.partial(fn, *args)], buffers=False))[0]
 
     def abandon(self) -> None:
         """See :meth:`Driver.abandon`."""
-        self._abandoned = True
-        if self._abandon_event is not None:
-            self._abandon_event.set()
-
-    async def _run_all(self, calls: list[Callable[[], T]], stop: list[bool] | None = None,
-                       pool: DaemonPool | None = None, buffers: bool = True) -> list[T]:
-        """Run ``calls`` on the pool; their results in order, once every one has ended.
-
-        The event loop is woken once, when the last call ends (not once per call). On
-        cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
-        those running to end early, and, when they use the caller's ``buffers``, this waits for
-        them before it raises (until :meth:`abandon`: then it stops waiting).
-        """
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        left = [len(calls)]
-        count = threading.Lock()
-
-        def finished(_: object) -> None:
-            with count:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                loop.call_soon_threadsafe(_resolve, done)
-
-        jobs = [(pool or self._pool).submit(c) for c in calls]
-        for j in jobs:
-            j.add_done_callback(finished)
-        try:
-            if jobs:
-                await done
-            return [j.result() for j in jobs]
-        except BaseException:
-            if stop is not None:
-                stop[0] = True
-            for j in jobs:
-                j.cancel()
-            running = [asyncio.wrap_future(j) for j in jobs if not j.done()]
-            if running and buffers and not self._abandoned:
-                with anyio.CancelScope(shield=True):
-                    await self._wait_unless_abandoned(running)
-            running = [f for f in running if not f.done()]
-            if running:
-                self._count("calls_abandoned", len(running))
-            raise
-
-    async def _wait_unless_abandoned(self, running: list[asyncio.Future[Any]]) -> None:
-        if self._abandon_event is None:
-            self._abandon_event = asyncio.Event()
-        gave_up = asyncio.ensure_future(self._abandon_event.wait())
-        try:
-            left = set(running)
-            while left and not gave_up.done():
-                await asyncio.wait([*left, gave_up], return_when=asyncio.FIRST_COMPLETED)
-                left = {f for f in left if not f.done()}
-        finally:
-            gave_up.cancel()
+        self._jobs.abandon()
 
     async def map(self, fn: Callable[[int], T], n: int, nbytes: int = 0,
                   buffers: bool = True) -> list[T | OSError]:
@@ -406,8 +370,8 @@ class LocalDriver(Driver):
                     results[i] = detach(exc)  # type: ignore[assignment]
 
         parts = max(self.threads, -(-nbytes // CHUNK_BYTES))
-        await self._run_all([functools.partial(chunk, idx) for idx in _chunks(n, parts)], stop,
-                            buffers=buffers)
+        await self._jobs.run_all(self._pool, [functools.partial(chunk, idx) for idx in _chunks(n, parts)],
+                                 stop, buffers)
         return results
 
     async def close(self) -> None:
@@ -416,13 +380,7 @@ class LocalDriver(Driver):
         if self._readers is not None:
             readers, self._readers = self._readers, None
             await anyio.to_thread.run_sync(readers.close, abandon_on_cancel=True)
-        for pool in (self._pool, self._cold):
-            if pool is None:
-                continue
-            pool.shutdown(wait=False, cancel_futures=self._abandoned)
-            # waited for here, not in a thread: a cancelled close leaves a stuck one behind at once
-            while not self._abandoned and pool.busy():
-                await anyio.sleep(0.005)
+        await self._jobs.shutdown([p for p in (self._pool, self._cold) if p is not None])
 
     async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
                          nbytes: int) -> list[int | BaseException | None]:
@@ -483,7 +441,7 @@ class LocalDriver(Driver):
                 except OSError as exc:
                     results[i] = detach(exc)
 
-            await self._run_all([functools.partial(one, i) for i in cold], stop, self._cold)
+            await self._jobs.run_all(self._cold, [functools.partial(one, i) for i in cold], stop)
         return results
 
     async def _read_in_helpers(self, readers: ReaderProcesses, paths: list[str],
@@ -501,7 +459,7 @@ class LocalDriver(Driver):
         if not items:
             return list(range(len(paths)))
         parts = _chunks(len(items), len(ready))
-        answers = await self._run_all([functools.partial(p.read, items[r.start:r.stop])
+        answers = await self._jobs.run_all(self._pool, [functools.partial(p.read, items[r.start:r.stop])
                                        for p, r in zip(ready, parts, strict=False)])
         done = 0
         for r, sizes in zip(parts, answers, strict=False):
@@ -531,7 +489,7 @@ class LocalDriver(Driver):
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
         d = path.rpartition("/")[0]
         if d not in self._dirs:
-            self._makedirs(d)
+            make_dirs(d, self.dir_mode)
             self._dirs.add(d)
         bufs = data if isinstance(data, list) else [data]
         total = sum(memoryview(b).nbytes for b in bufs)
@@ -568,7 +526,7 @@ class LocalDriver(Driver):
             fd = os.open(tmp, flags, self.file_mode)
         except FileNotFoundError:
             # the directory vanished under us (another process or tool removed it): recreate it
-            self._makedirs(d)
+            make_dirs(d, self.dir_mode)
             fd = os.open(tmp, flags, self.file_mode)
         if self.file_mode != 0o600:  # what the umask took from a wider mode (0o600 it never narrows)
             with contextlib.suppress(OSError):
@@ -589,23 +547,6 @@ class LocalDriver(Driver):
             _unlink_quiet(tmp)
             raise
         os.close(fd)
-
-    def _makedirs(self, d: str) -> None:
-        """Create ``d`` and its missing parents, each with :attr:`dir_mode` (``os.makedirs`` gives
-        the parents the umask's default, 0o755 under the usual umask)."""
-        missing = []
-        p = d
-        while p and p != "/" and not os.path.isdir(p):
-            missing.append(p)
-            p = os.path.dirname(p)
-        for p in reversed(missing):
-            try:
-                os.mkdir(p, self.dir_mode)
-            except FileExistsError:
-                continue
-            if self.dir_mode != 0o700:
-                with contextlib.suppress(OSError):
-                    os.chmod(p, self.dir_mode)
 
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """Write the batch in chunks over the worker threads."""
@@ -643,18 +584,8 @@ class LocalDriver(Driver):
         return await self.run(lambda: [os.path.isfile(p) for p in paths])
 
     async def touch_many(self, paths: list[str]) -> None:
-        """``os.utime`` in a worker thread."""
-
-        def touch() -> None:  # the first path the newest, as written (see write_each)
-            base = time.time_ns()
-            for i, p in enumerate(paths):
-                when = base + (len(paths) - i) * 1000
-                try:
-                    os.utime(p, ns=(when, when), follow_symlinks=False)
-                except FileNotFoundError:
-                    pass
-
-        await self.run(touch)
+        """Refresh the records' file times in a worker thread (the first path the newest)."""
+        await self.run(touch_in_order, paths)
 
     async def delete_many(self, paths: list[str]) -> None:
         """Unlink in a worker thread."""

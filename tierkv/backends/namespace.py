@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.backends.fsio import TEMP_MARK, Entry
+from tierkv.backends.fsio import TEMP_MARK, Driver, Entry
 from tierkv.keys import GROUP_BYTES, split_key
 from tierkv.layout import Layout
 
@@ -39,9 +39,11 @@ __all__ = [
     "Manifest",
     "classify",
     "group_of",
+    "group_path",
     "is_record_name",
     "key_from_name",
     "keys_of",
+    "listed_keys",
     "key_relpath",
     "manifest_bytes",
     "manifest_path",
@@ -92,6 +94,34 @@ def namespace_path(root: str, fingerprint: str) -> str:
 def record_path(root: str, fingerprint: str, key: bytes) -> str:
     """Where the record of ``key`` lives under ``root`` for a namespace ``fingerprint``."""
     return f"{root}/{fingerprint}/{key_relpath(key)}{RECORD_SUFFIX}"
+
+
+def group_path(root: str, fingerprint: str, group: int) -> str:
+    """The directory (or prefix) of one group's records in a namespace."""
+    return f"{root}/{fingerprint}/g{group:08x}"
+
+
+async def listed_keys(driver: Driver, root: str, fingerprint: str, group: int) -> list[bytes]:
+    """Keys of every record of ``group`` in the namespace, from a listing; long keys, named by a
+    digest, from their record's header (a record that has none is left out)."""
+    from tierkv.errors import CorruptRecord
+    from tierkv.record import read_header
+
+    listing = classify(root, await driver.listdir(group_path(root, fingerprint, group)))
+    keys, unnamed = [], []
+    for e, rel in listing.records.get(fingerprint, []):
+        key = key_from_name(rel.rpartition("/")[2])
+        if key is not None:
+            keys.append(key)
+        else:
+            unnamed.append(e.path)
+    for data in await driver.read_many(unnamed, 8192):
+        if isinstance(data, bytes):
+            try:
+                keys.append(read_header(data).key)
+            except CorruptRecord:
+                continue
+    return keys
 
 
 def manifest_path(root: str, fingerprint: str) -> str:

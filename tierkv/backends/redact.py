@@ -69,6 +69,12 @@ class Redactor:
                 text = text.replace(secret, "***")
         return text
 
+    def endpoint(self, storage_options: dict[str, Any]) -> str:
+        """`` (endpoint URL)`` when ``storage_options`` name one (S3-compatible servers), redacted."""
+        url = storage_options.get("endpoint_url") or (storage_options.get("client_kwargs") or {}).get(
+            "endpoint_url")
+        return f" (endpoint {self(str(url))})" if url else ""
+
     def error(self, exc: BaseException) -> str:
         """A one-line description of ``exc`` (the first leaf of an exception group), redacted."""
         while isinstance(getattr(exc, "exceptions", None), (list, tuple)) and exc.exceptions:  # type: ignore[attr-defined]

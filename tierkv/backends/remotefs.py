@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 import anyio
 
 from tierkv.backends.fsio import (
+    DOWN_TYPES,
     BytesSource,
     Driver,
     Entry,
@@ -108,11 +109,8 @@ class SyncDriver(Driver):
 _TRANSIENT_ERRNO = frozenset({errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ECONNRESET,
                               errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE})
 #: botocore / aiohttp exceptions of a dead, hung or dropping server (matched by class name, so that
-#: neither library is imported here)
-_TRANSIENT_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-                              "ConnectTimeoutError", "ConnectionError", "ClientPayloadError",
-                              "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
-                              "ProxyConnectionError", "TimeoutError", "IncompleteReadError"})
+#: neither library is imported here): those of a server that does not answer, and a dropped body
+_TRANSIENT_TYPES = (DOWN_TYPES - {"TierUnavailable"}) | {"ClientPayloadError", "IncompleteReadError"}
 
 
 def transient(exc: BaseException) -> bool:

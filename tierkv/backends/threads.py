@@ -1,4 +1,5 @@
-"""Worker threads that never hold the process: a pool of daemon threads.
+"""Worker threads that never hold the process: a pool of daemon threads, and the calls an event
+loop hands to it.
 
 :class:`concurrent.futures.ThreadPoolExecutor` joins its threads when the interpreter exits, so a
 thread stuck in a system call on a hung mount (a stopped FUSE daemon, an NFS server gone) would
@@ -9,13 +10,16 @@ one behind.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["DaemonPool"]
+import anyio
+
+__all__ = ["DaemonPool", "Jobs"]
 
 T = TypeVar("T")
 _STOP = object()
@@ -86,3 +90,87 @@ class DaemonPool:
     def busy(self) -> bool:
         """True while a thread of the pool is alive (after :meth:`shutdown`: still ending)."""
         return any(t.is_alive() for t in self._threads)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Jobs:
+    """Runs batches of calls on :class:`DaemonPool` s from an event loop, and can stop waiting for
+    them (:meth:`abandon`: ``close`` past its bound on a file system that does not answer).
+    ``count(name, n)`` is told how many calls were left behind."""
+
+    def __init__(self, count: Callable[[str, int], None]) -> None:
+        self._count = count
+        self.abandoned = False
+        self._event: asyncio.Event | None = None
+
+    def abandon(self) -> None:
+        """From now on a cancelled batch returns at once, even one whose calls use its buffers."""
+        self.abandoned = True
+        if self._event is not None:
+            self._event.set()
+
+    async def run_all(self, pool: DaemonPool, calls: list[Callable[[], T]], stop: list[bool] | None = None,
+                      buffers: bool = True) -> list[T]:
+        """Run ``calls`` on ``pool``; their results in order, once every one has ended.
+
+        The event loop is woken once, when the last call ends (not once per call). On
+        cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
+        those running to end early, and, when they use the caller's ``buffers``, this waits for
+        them before it raises (until :meth:`abandon`: then it stops waiting).
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        left = [len(calls)]
+        lock = threading.Lock()
+
+        def finished(_: object) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                loop.call_soon_threadsafe(_resolve, done)
+
+        jobs = [pool.submit(c) for c in calls]
+        for j in jobs:
+            j.add_done_callback(finished)
+        try:
+            if jobs:
+                await done
+            return [j.result() for j in jobs]
+        except BaseException:
+            if stop is not None:
+                stop[0] = True
+            for j in jobs:
+                j.cancel()
+            running = [asyncio.wrap_future(j) for j in jobs if not j.done()]
+            if running and buffers and not self.abandoned:
+                with anyio.CancelScope(shield=True):
+                    await self._wait_unless_abandoned(running)
+            running = [f for f in running if not f.done()]
+            if running:
+                self._count("calls_abandoned", len(running))
+            raise
+
+    async def _wait_unless_abandoned(self, running: list[asyncio.Future[Any]]) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+        gave_up = asyncio.ensure_future(self._event.wait())
+        try:
+            left = set(running)
+            while left and not gave_up.done():
+                await asyncio.wait([*left, gave_up], return_when=asyncio.FIRST_COMPLETED)
+                left = {f for f in left if not f.done()}
+        finally:
+            gave_up.cancel()
+
+    async def shutdown(self, pools: list[DaemonPool]) -> None:
+        """Stop ``pools`` once their queued calls ran; wait for their threads on the loop, not in a
+        thread, so a cancelled close (or one past :meth:`abandon`) leaves a stuck one behind."""
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=self.abandoned)
+            while not self.abandoned and pool.busy():
+                await anyio.sleep(0.005)
