@@ -93,6 +93,7 @@ def test_eviction_on_a_shared_tier_keeps_what_is_left_usable(tmp_path: Path) -> 
     per_record = 65536
     res = run_nodes(nodes=4, url=f"file://{tmp_path}", documents=8, blocks=16, block_bytes=per_record,
                     capacity_bytes=4 * 8 * 16 * per_record * 10 // 32)
-    assert res.ok, res.to_json()
+    # (the bound itself, with the in-flight margin of writers racing, is test_s3_nodes's)
+    assert all(n["identical"] == n["restored"] for n in res.nodes), res.to_json()
     assert res.held_records and res.held_records < 4 * 8 * 16  # eviction ran
     assert res.usable_share == 1.0, res.to_json()
