@@ -342,3 +342,90 @@ def test_a_read_hung_in_the_kernel_holds_neither_close_nor_the_exit_of_the_proce
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "answered" in proc.stdout and "closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert took < 60, f"the process took {took:.0f} s to exit: a stuck I/O thread held it"
+
+
+# ---- a restore that a hung tier holds: cancelling it cuts the wait ----------------------------------
+def _clear_later(stalling: type[StallingMemory], after_s: float) -> threading.Timer:
+    timer = threading.Timer(after_s, stalling.stall.clear)  # a bound, should the cut not happen
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("slots", [16, 2], ids=["promoted", "pool-too-small"])
+async def test_cancelling_a_get_that_waits_for_a_hung_tier_returns_at_once(
+        stalling: type[StallingMemory], slots: int) -> None:
+    """``get`` of blocks no primary slot holds reads them from the tier; when that tier hangs, a
+    timeout around the ``get`` must return at its deadline, not when the read ends (the engine
+    gives up on the restore and recomputes). With room in the pool the read is a promotion the
+    ``get`` waits for; without, a read into the tier's own buffer: neither is the caller's rows."""
+    hs, data = hashes(4, doc=9), blocks(4, BB, seed=9)
+    root = f"stallmem://g{uuid.uuid4().hex[:8]}"
+    stalling.stall.clear()
+    cfg = {"layout": LAYOUT, "namespace": "fs", "tiers": [
+        {"kind": "cpu", "slots": {0: 16}}, {"kind": "fsspec", "url": root, "close_timeout_s": 1}]}
+    async with TieredStore(cfg) as store:
+        await store.put(0, hs, data)
+    cfg["tiers"][0] = {"kind": "cpu", "slots": {0: slots}}  # type: ignore[index]
+    async with TieredStore(cfg) as store:
+        stalling.stall.set()
+        timer = _clear_later(stalling, 8)
+        out = torch.zeros(4, BB, dtype=torch.uint8)
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await store.get(0, hs, out)
+            pytest.fail("the tier stalls: get cannot have finished")
+        waited = time.monotonic() - t0
+        assert waited < 2, f"cancelling get waited {waited:.1f}s for a hung read"
+        stalling.stall.clear()
+        timer.cancel()
+        # the tier answers again: the same get now restores every block, and nothing leaked
+        await store.get(0, hs, out)
+        assert torch.equal(out, data)
+        await store.idle()
+        assert store.check() == []
+
+
+@pytest.fixture
+def hung_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """While the event is set, every read of a ``file://`` record blocks in its I/O thread, as a
+    read of a hung mount does (the thread is inside the kernel, writing into the rows it was given)."""
+    hang = threading.Event()
+    read = localfs.LocalSource._read
+
+    def stuck(self: localfs.LocalSource, fd: int, bufs: list[Any]) -> int:
+        while hang.is_set():
+            time.sleep(0.01)
+        return read(self, fd, bufs)
+
+    monkeypatch.setattr(localfs.LocalSource, "_read", stuck)
+    yield hang
+    hang.clear()
+
+
+@pytest.mark.parametrize("slots", [16, 2], ids=["promoted", "pool-too-small"])
+async def test_cancelling_a_get_from_a_hung_local_tier_returns_at_once(
+        tmp_path: Path, hung_reads: threading.Event, slots: int) -> None:
+    """The same on a ``file://`` tier, whose reads go straight into rows: the rows a hung read
+    writes into must never be the caller's, or cancelling could only wait for the read."""
+    hs, data = hashes(4, doc=10), blocks(4, BB, seed=10)
+    config = cfg(tmp_path, read_processes=0, close_timeout_s=1)
+    async with TieredStore(config) as store:
+        await store.put(0, hs, data)
+    config["tiers"][0] = {"kind": "cpu", "slots": {0: slots}}  # type: ignore[index]
+    async with TieredStore(config) as store:
+        hung_reads.set()
+        timer = threading.Timer(8, hung_reads.clear)
+        timer.start()
+        out = torch.zeros(4, BB, dtype=torch.uint8)
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await store.get(0, hs, out)
+            pytest.fail("the tier hangs: get cannot have finished")
+        waited = time.monotonic() - t0
+        assert waited < 2, f"cancelling get waited {waited:.1f}s for a hung read"
+        hung_reads.clear()
+        timer.cancel()
+        await store.get(0, hs, out)
+        assert torch.equal(out, data)
+        await store.idle()
+        assert store.check() == []

@@ -401,3 +401,44 @@ async def test_a_tier_measured_slow_gets_its_cascades_shed_but_loads_still_serve
         out = torch.zeros(1, bb(FULL), dtype=torch.uint8)
         await store.get(FULL, hashes(1, doc=0), out)  # promotions are never shed
         assert torch.equal(out, blocks(1, bb(FULL)))
+
+
+async def test_concurrent_gets_of_blocks_on_a_lower_tier_read_each_block_once() -> None:
+    """A ``get`` of blocks no primary slot holds promotes them: a second ``get`` of the same blocks
+    meanwhile waits for that promotion instead of reading them again, and both get the bytes."""
+    slow = {"kind": "faulty", "inner": {"kind": "memory"}, "delay_s": 0.2, "ops": ["get"]}
+    async with TieredStore(config(LAYOUT, slow, slots=ALL)) as store:
+        hs, data = hashes(4, doc=40), blocks(4, bb(FULL), seed=40)
+        await store.put(FULL, hs, data)
+        await store.flush()
+        await store.put(FULL, hashes(16, doc=41), blocks(16, bb(FULL), seed=41))  # evicts hs
+        await store.flush()
+        assert store.stats().groups[0].ready == 16  # hs are on the lower tier only
+        outs = [torch.zeros_like(data) for _ in range(2)]
+        reads = store.stats().tiers[1].hits
+        async with anyio.create_task_group() as tg:
+            for out in outs:
+                tg.start_soon(store.get, FULL, hs, out)
+        assert all(torch.equal(out, data) for out in outs)
+        assert store.stats().tiers[1].hits - reads == 4
+        assert store.lookup(FULL, hs) == [Lookup.HIT] * 4
+        assert store.check() == []
+
+
+async def test_check_accounts_for_every_pin_while_cascades_run() -> None:
+    """``check()`` knows each pin's owner (requests, calls, cascades), so it checks the pins while
+    cascades pin slots too, and finds one that no owner accounts for."""
+    slow = {"kind": "faulty", "inner": {"kind": "memory"}, "delay_s": 0.3, "ops": ["put"]}
+    async with TieredStore(config(LAYOUT, slow, slots=ALL)) as store:
+        hs = hashes(4, doc=50)
+        await store.put(FULL, hs, blocks(4, bb(FULL), seed=50))
+        store.lookup(FULL, hs[:2], request_id="r")
+        assert store.has_pending_work() and group_stats(store, FULL).pinned == 4
+        assert store.check() == []
+        pool = store.tiers[0].pools[FULL]  # type: ignore[attr-defined]
+        pool.pin(pool.slot_of(hs[3] + FULL.to_bytes(4, "big")))  # a pin with no owner
+        assert any("do not match their owners" in p for p in store.check())
+        pool.unpin(pool.slot_of(hs[3] + FULL.to_bytes(4, "big")))
+        await store.flush()
+        store.release("r")
+        assert store.check() == [] and group_stats(store, FULL).pinned == 0

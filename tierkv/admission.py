@@ -100,6 +100,8 @@ class Admission:
         self.queue: OrderedDict[str, None] = OrderedDict()
         #: requests whose pins were dropped because they made no call for the lease
         self.leases_expired = 0
+        #: calls without ``request_id`` that hold pins across awaits (a ``get``, a ``borrow``)
+        self.calls: set[Request] = set()
 
     # ---- requests and pins ----------------------------------------------------------------------
     def request(self, request_id: str | None) -> Request | None:
@@ -119,8 +121,16 @@ class Admission:
         """A request for one call made without ``request_id``; release it with :meth:`end_call`."""
         return Request(None, self.clock())
 
+    def open_call(self) -> Request:
+        """An anonymous request for a call that holds pins across awaits: known to :meth:`drop`
+        and :meth:`count_pins` until :meth:`end_call`."""
+        req = self.anonymous()
+        self.calls.add(req)
+        return req
+
     def end_call(self, req: Request) -> None:
         """Drop the pins an anonymous call took (no queue service: its HITs must not be evicted)."""
+        self.calls.discard(req)
         for key in list(req.pins):
             self.unpin(req, key)
 
@@ -172,6 +182,8 @@ class Admission:
     def drop(self, group: int, key: bytes) -> None:
         """Free ``key``'s slot (a failed promotion or store) and forget every pin on it."""
         for req in self.requests.values():
+            req.pins.pop(key, None)
+        for req in self.calls:
             req.pins.pop(key, None)
         pool = self.pools[group]
         s = pool.slot_of(key)
@@ -294,6 +306,14 @@ class Admission:
             started += self._start_all(req, wants)
         return started
 
+    def reserve(self, call: Request, group: int, wants: list[Want]) -> list[Promotion] | None:
+        """Slots for a call's own promotions (a ``get`` of blocks not resident), pinned for
+        ``call``; None when they are not available now or requests wait in the queue (they come
+        first: a call never takes the slots a queued request waits for)."""
+        if self.queue or self.pools[group].available() < len(wants):
+            return None
+        return self._start_all(call, {group: wants})
+
     def _start_all(self, req: Request, wants: Mapping[int, list[Want]]) -> list[Promotion]:
         out: list[Promotion] = []
         for g, items in wants.items():
@@ -324,22 +344,18 @@ class Admission:
             req.waiting += sum(len(p.keys) for p in out)
         return out
 
-    def pin_problems(self, pools: Mapping[int, SlotPool]) -> list[str]:
-        """Pins in ``pools`` that the requests holding them do not account for (empty when sound).
-
-        Only meaningful while no cascade pins slots (cascades pin too)."""
+    def count_pins(self, group: int, pool: SlotPool, expected: list[int]) -> list[str]:
+        """Add the pins requests and calls hold on ``group``'s slots to ``expected`` (per slot);
+        the pins on keys no slot holds, as problems."""
         problems = []
-        for g, pool in pools.items():
-            expected = [0] * pool.num_slots
-            for req in self.requests.values():
-                for key, grp in req.pins.items():
-                    if grp != g:
-                        continue
-                    s = pool.slot_of(key)
-                    if s is None:
-                        problems.append(f"group {g}: request {req.rid!r} pins {key.hex()}, not resident")
-                    else:
-                        expected[s] += 1
-            if expected != pool.pins:
-                problems.append(f"group {g}: pins do not match the requests holding them")
+        for req in [*self.requests.values(), *self.calls]:
+            for key, grp in req.pins.items():
+                if grp != group:
+                    continue
+                s = pool.slot_of(key)
+                if s is None:
+                    who = f"request {req.rid!r}" if req.named else "a call"
+                    problems.append(f"group {group}: {who} pins {key.hex()}, not resident")
+                else:
+                    expected[s] += 1
         return problems

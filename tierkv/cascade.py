@@ -1,23 +1,23 @@
 """Cascades: writing blocks from the primary down to every lower tier, in the background.
 
 A cascade pins the primary slots it reads until every tier it was admitted to has written them
-(or failed); blocks that found no primary slot cascade from a private copy (*staged*), which
-lookups and ``get`` see until the cascade ends. Each tier's gateway admits or sheds the cascade
-(semantics 7: stores are shed, counted, before loads suffer); ``flush`` waits for every cascade
-that was admitted.
+(or failed); blocks that found no primary slot cascade from a private copy (*staged* in the
+:class:`~tierkv.ledger.BlockLedger`), which lookups and ``get`` see until the cascade ends. Each
+tier's gateway admits or sheds the cascade (semantics 7: stores are shed, counted, before loads
+suffer); ``flush`` waits for every cascade that was admitted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import torch
 
 from tierkv.bridge import LoopBridge
 from tierkv.gateway import TierGateway
-from tierkv.pool import SlotPool
+from tierkv.ledger import BlockLedger
 
 __all__ = ["Cascader"]
 
@@ -25,15 +25,13 @@ __all__ = ["Cascader"]
 class Cascader:
     """Starts and tracks cascades for one store (state changes under the bridge's lock)."""
 
-    def __init__(self, bridge: LoopBridge, pools: Mapping[int, SlotPool],
+    def __init__(self, bridge: LoopBridge, ledger: BlockLedger,
                  gateways: Sequence[TierGateway], changed: Callable[[], None]) -> None:
         self._bridge = bridge
-        self._pools = pools
+        self._ledger = ledger
+        self._pools = ledger.pools
         self._gateways = gateways
         self._changed = changed
-        #: blocks that found no primary slot, held until their cascades end:
-        #: key -> [row, cascades left, whether a tier took it]
-        self.staged: dict[bytes, list[object]] = {}
         self.running = 0
         #: blocks of admitted cascades not finished yet, per tier index
         self.pending: dict[int, int] = {}
@@ -70,15 +68,13 @@ class Cascader:
             sub_keys = [keys[i] for i in idx]
             sub_slots = [slots[i] for i in idx] if slots is not None else None
             if sub_slots is not None:
-                for s in sub_slots:
-                    pool.pin(s)
+                self._ledger.pin_cascade(group, sub_slots)
                 src, rows = pool.tensor, sub_slots
             else:
                 assert copy is not None
                 src, rows = copy, idx
                 for i, k in zip(idx, sub_keys, strict=True):
-                    entry = self.staged.setdefault(k, [copy[i], 0, False])
-                    entry[1] += 1  # type: ignore[operator]
+                    self._ledger.stage(k, copy[i])
             if self.running == 0:
                 self._idle = anyio.Event()
             self.running += 1
@@ -102,28 +98,15 @@ class Cascader:
 
     def _done(self, group: int, keys: list[bytes], slots: list[int] | None, ok: list[bool]) -> None:
         if slots is not None:
-            pool = self._pools[group]
-            for s in slots:
-                pool.unpin(s)
+            self._ledger.unpin_cascade(group, slots)
         else:
             for k, stored in zip(keys, ok, strict=True):
-                entry = self.staged.get(k)
-                if entry is not None:
-                    entry[1] -= 1  # type: ignore[operator]
-                    entry[2] = bool(entry[2]) or stored
-                    if entry[1] <= 0:  # type: ignore[operator]
-                        del self.staged[k]
-                        if not entry[2]:
-                            self.dropped += 1
+                if self._ledger.unstage(k, stored):
+                    self.dropped += 1
         self.running -= 1
         if self.running == 0:
             self._bridge.set_event(self._idle)
         self._changed()
-
-    def staged_row(self, key: bytes) -> torch.Tensor | None:
-        """The staged copy of ``key``, if a cascade from a copy holds it."""
-        entry = self.staged.get(key)
-        return None if entry is None else entry[0]  # type: ignore[return-value]
 
     async def flush(self) -> None:
         """Wait until every admitted cascade has finished (or failed, counted)."""

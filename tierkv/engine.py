@@ -27,6 +27,7 @@ from tierkv.admission import Admission
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
+from tierkv.ledger import BlockLedger
 from tierkv.lookup import KeyState, Lookup, Resolver, Work
 from tierkv.pool import SlotPool, SlotState
 
@@ -56,13 +57,14 @@ def pool_for(pools: Mapping[int, SlotPool], layout: Layout, group: int) -> SlotP
 class EngineSlots:
     """The slot API of one store (``store.engine``); see the module docstring."""
 
-    def __init__(self, *, lock: threading.RLock, layout: Layout, pools: Mapping[int, SlotPool],
+    def __init__(self, *, lock: threading.RLock, layout: Layout, ledger: BlockLedger,
                  admission: Admission, resolver: Resolver, check_open: Callable[[], None],
                  start: Callable[[Work], None], committed: Callable[[int, list[bytes], list[int]], None],
                  changed: Callable[[], None], set_event: Callable[[anyio.Event], None]) -> None:
         self._lock = lock
         self._layout = layout
-        self._pools = pools
+        self._ledger = ledger
+        self._pools = ledger.pools
         self._admission = admission
         self._resolver = resolver
         self._check_open = check_open
@@ -71,7 +73,7 @@ class EngineSlots:
         self._changed = changed
         self._set_event = set_event
         #: keys reserved until committed -> an event ``get`` waits on (made on demand)
-        self._storing: dict[bytes, anyio.Event | None] = {}
+        self._storing = ledger.storing
         self._listeners: list[EvictionListener] = []
 
     def _pool(self, group: int) -> SlotPool:
@@ -115,7 +117,7 @@ class EngineSlots:
         if s is not None and key in req.pins:
             # in flight and already pinned for this request: an engine asks again every step
             # while the restore runs, and this answer must cost next to nothing (it holds the GIL)
-            state = KeyState.PROMOTING if key in self._resolver.promoting else KeyState.STORING
+            state = KeyState.PROMOTING if key in self._ledger.promoting else KeyState.STORING
         else:
             states, work = self._resolver.states(group, [key], req)
             self._start(work)
@@ -197,19 +199,6 @@ class EngineSlots:
             pool.mark_ready(done_slots)
             self._committed(group, done_keys, done_slots)
         self._changed()
-
-    def storing(self, key: bytes) -> anyio.Event | None:
-        """An event set when a reserved key is committed; None when ``key`` is not reserved."""
-        if key not in self._storing:
-            return None
-        ev = self._storing[key]
-        if ev is None:
-            ev = self._storing[key] = anyio.Event()
-        return ev
-
-    def is_storing(self, key: bytes) -> bool:
-        """True while ``key`` is reserved and not committed."""
-        return key in self._storing
 
     # ---- whole pool -----------------------------------------------------------------------------
     @locked

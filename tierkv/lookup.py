@@ -18,8 +18,9 @@ from tierkv.costmodel import CostModel
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
+from tierkv.ledger import BlockLedger
 from tierkv.metrics import Histogram
-from tierkv.pool import SlotPool, SlotState
+from tierkv.pool import SlotState
 from tierkv.prefix import needed_blocks
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Resolver", "Work"]
@@ -85,18 +86,17 @@ _CHUNK = 256
 class Resolver:
     """Lookups over the store's state (call under the store's lock)."""
 
-    def __init__(self, layout: Layout, pools: Mapping[int, SlotPool], gateways: Sequence[TierGateway],
-                 admission: Admission, staged: Collection[bytes], promoting: Collection[bytes],
-                 cost: CostModel | None = None) -> None:
+    def __init__(self, layout: Layout, ledger: BlockLedger, gateways: Sequence[TierGateway],
+                 admission: Admission, cost: CostModel | None = None) -> None:
         self.layout = layout
         self.cost = cost if cost is not None else CostModel(layout.tokens_per_block, None, None)
         #: how long prefixes stayed PENDING before their answer
         self.pending_seconds = Histogram()
-        self.pools = pools
+        self.pools = pools = ledger.pools
         self.gateways = gateways
         self.admission = admission
-        self.staged = staged
-        self.promoting = promoting
+        self.staged: Collection[bytes] = ledger.staged
+        self.promoting: Collection[bytes] = ledger.promoting
         self._tails = {g: g.to_bytes(GROUP_BYTES, "big") for g in layout.cacheable_groups}
         self._full = [g for g in layout.cacheable_groups if layout.groups[g].kind == "full"]
         self._other = [g for g in layout.cacheable_groups if layout.groups[g].kind != "full"]

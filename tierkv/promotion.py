@@ -8,44 +8,31 @@ keys asked for while a probe task is scheduled but not started ride along with i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from tierkv.admission import Admission, Promotion, Request
 from tierkv.bridge import LoopBridge
 from tierkv.gateway import TierGateway
+from tierkv.ledger import BlockLedger, Landing
 from tierkv.lookup import Work
-from tierkv.pool import SlotPool
 
-__all__ = ["Landing", "Promoter"]
-
-
-class Landing:
-    """What waiters of one promotion's blocks wait on: an event set as each batch lands.
-
-    One event per batch, not per block (a 1,024-block restore made 1,024 events): a waiter wakes
-    when any batch of its promotion lands, finds its block READY or not, and waits on the next.
-    """
-
-    __slots__ = ("event",)
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
+__all__ = ["Promoter"]
 
 
 class Promoter:
     """Starts and tracks promotions and probes for one store (state under the bridge's lock)."""
 
-    def __init__(self, bridge: LoopBridge, pools: Mapping[int, SlotPool], gateways: Sequence[TierGateway],
+    def __init__(self, bridge: LoopBridge, ledger: BlockLedger, gateways: Sequence[TierGateway],
                  admission: Admission, changed: Callable[[], None]) -> None:
         self._bridge = bridge
-        self._pools = pools
+        self._pools = ledger.pools
         self._gateways = gateways
         self._admission = admission
         self._changed = changed
-        #: keys being promoted -> their promotion's :class:`Landing`
-        self.promoting: dict[bytes, Landing] = {}
+        #: keys being promoted -> their promotion's landing (the ledger's)
+        self.promoting = ledger.promoting
         #: keys waiting for a scheduled probe task: (tier position, group) -> keys
         self._probe_batches: dict[tuple[int, int], list[bytes]] = {}
         #: promotions whose task is scheduled and has not started, by (tier, group, request):

@@ -1,8 +1,8 @@
 """The read half of the facade: ``get`` (copy blocks out) and ``borrow`` (lend pool rows).
 
 ``get`` copies READY rows out in one batched copy per run, waits for PENDING ones (promotions
-land batch by batch, so it copies as they arrive), and reads blocks no primary slot holds straight
-into the caller's rows through the gateways, keeping them in the primary when a slot is free.
+land batch by batch, so it copies as they arrive), and promotes blocks no primary slot holds,
+waiting for them the same way (only a pool with no room now makes it read them aside).
 ``borrow`` lends the rows where they lie in the pool, pinned until the caller is done.
 """
 
@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
 
 import anyio
 import torch
 
 from tierkv.admission import Admission, Request
-from tierkv.cascade import Cascader
-from tierkv.engine import EngineSlots
+from tierkv.bridge import LoopBridge
 from tierkv.errors import BlockMissing
-from tierkv.gateway import TierGateway
+from tierkv.gateway import TierGateway, scatter_rows
+from tierkv.ledger import BlockLedger
+from tierkv.lookup import Work
 from tierkv.metrics import TierStats
 from tierkv.pool import SlotPool, SlotState, contiguous_run
 from tierkv.promotion import Promoter
@@ -32,21 +32,17 @@ __all__ = ["Reader"]
 class Reader:
     """``get`` and ``borrow`` over one store's state (locks taken here, never held across awaits)."""
 
-    def __init__(self, *, lock: Any, admission: Admission, gateways: Sequence[TierGateway],
-                 cascader: Cascader, promoter: Promoter, engine: EngineSlots, stats: TierStats,
+    def __init__(self, *, bridge: LoopBridge, ledger: BlockLedger, admission: Admission,
+                 gateways: Sequence[TierGateway], promoter: Promoter, stats: TierStats,
                  changed: Callable[[], None]) -> None:
-        self._lock = lock
+        self._bridge = bridge
+        self._lock = bridge.lock
+        self._ledger = ledger
         self._admission = admission
         self._gateways = gateways
-        self._cascader = cascader
         self._promoter = promoter
-        self._engine = engine
         self._stats = stats
         self._changed = changed
-
-    def _waiter(self, key: bytes) -> anyio.Event | None:
-        landing = self._promoter.promoting.get(key)
-        return landing.event if landing is not None else self._engine.storing(key)
 
     def _done(self, req: Request | None, group: int, keys: list[bytes]) -> None:
         if req is not None:
@@ -56,17 +52,33 @@ class Reader:
 
     async def get(self, group: int, pool: SlotPool, keys: list[bytes], out8: torch.Tensor,
                   req: Request | None) -> None:
-        """See :meth:`tierkv.TieredStore.get` (``out8``: the caller's rows as bytes, checked)."""
+        """See :meth:`tierkv.TieredStore.get` (``out8``: the caller's rows as bytes, checked).
+
+        One road for every block: READY rows are copied out; blocks on their way are waited for;
+        a block no slot holds is promoted (slots reserved and pinned for this call, the read
+        landing in the pool) and waited for like any other. Only when the pool has no room now
+        is a block read into a buffer of the read's own. The caller's rows are written only
+        here, by copies: cancelling ``get`` always cuts its wait, whatever a tier's read does.
+        """
         todo = list(range(len(keys)))
         missing: list[int] = []
-        while todo:
+        promoted: set[int] = set()
+        with self._lock:
+            call = self._admission.open_call()
+        try:
+            while todo:
+                with self._lock:
+                    absent, waits = self._copy_resident(pool, keys, todo, out8)
+                    if absent:
+                        absent = self._promote(group, keys, absent, promoted, call, waits)
+                if absent:
+                    missing += await self._read_aside(group, pool, keys, absent, out8)
+                if waits:
+                    await next(iter(waits.values())).wait()
+                todo = list(waits)
+        finally:
             with self._lock:
-                absent, waits = self._copy_resident(pool, keys, todo, out8)
-            if absent:
-                missing += await self._read_lower(group, pool, keys, absent, out8)
-            if waits:
-                await next(iter(waits.values())).wait()
-            todo = list(waits)
+                self._admission.end_call(call)
         self._done(req, group, keys)
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
@@ -82,7 +94,7 @@ class Reader:
         for i in todo:
             s = index.get(keys[i])
             if s is None:
-                staged = self._cascader.staged_row(keys[i])
+                staged = self._ledger.staged_row(keys[i])
                 if staged is not None:
                     out8[i].copy_(staged)
                 else:
@@ -90,7 +102,7 @@ class Reader:
             elif state[s] is SlotState.READY:
                 ready.append(i)
             else:
-                ev = self._waiter(keys[i])
+                ev = self._ledger.waiter(keys[i])
                 assert ev is not None, "every WRITING slot has an event"
                 waits[i] = ev
         if ready:
@@ -108,10 +120,77 @@ class Reader:
             self._stats.bytes_read += len(ready) * pool.block_bytes
         return absent, waits
 
-    async def _read_lower(self, group: int, pool: SlotPool, keys: list[bytes], rows: list[int],
+    def _promote(self, group: int, keys: list[bytes], rows: list[int], promoted: set[int],
+                 call: Request, waits: dict[int, anyio.Event]) -> list[int]:
+        """Promote the blocks of ``rows`` a lower tier may hold into slots pinned for ``call``
+        and add their landings to ``waits`` (call under the lock). Returns the rows left to read
+        aside: those promoted once already (their promotion failed: the other tiers are tried),
+        those no tier may hold, and all of them when the pool has no room now."""
+        now = time.monotonic()
+        first: dict[bytes, int] = {}
+        wants: list[tuple[bytes, int]] = []
+        aside: list[int] = []
+        for i in rows:
+            k = keys[i]
+            if i in promoted:
+                aside.append(i)
+                continue
+            if k in first:  # the same key twice: both rows wait for one landing
+                continue
+            tier = next((p for p, gw in enumerate(self._gateways)
+                         if gw.presence(group, k, now) is not False), None)
+            if tier is None:
+                aside.append(i)
+                continue
+            first[k] = i
+            wants.append((k, tier))
+        started = self._admission.reserve(call, group, wants) if wants else None
+        if started is None:
+            return rows
+        self._promoter.start(Work(promotions=started))
+        promoting = self._ledger.promoting
+        for i in rows:
+            if i not in promoted and keys[i] in first:
+                waits[i] = promoting[keys[i]].event
+                promoted.add(i)
+        return aside
+
+    async def _read_aside(self, group: int, pool: SlotPool, keys: list[bytes], rows: list[int],
                           out8: torch.Tensor) -> list[int]:
-        """Read blocks held by no primary slot straight into ``out8``; the rows still missing."""
-        left = rows
+        """Read blocks held by no primary slot into a buffer of the read's own, in a task of the
+        store's, then copy them into ``out8``: the rows still missing. A cancelled caller stops
+        waiting at once; the read ends on its own."""
+        buf = torch.empty((len(rows), pool.block_bytes), dtype=torch.uint8)
+        sub_keys = [keys[i] for i in rows]
+        done = anyio.Event()
+        result: list[list[bool]] = []
+
+        async def read() -> None:
+            try:
+                result.append(await self._read_lower(group, sub_keys, buf))
+            finally:
+                with self._lock:
+                    self._bridge.end()
+                self._bridge.set_event(done)
+
+        with self._lock:
+            self._bridge.begin()
+        self._bridge.spawn(read)
+        await done.wait()
+        ok = result[0] if result else [False] * len(rows)
+        got = [j for j, f in enumerate(ok) if f]
+        if got:
+            dst = [rows[j] for j in got]
+            src = buf if len(got) == len(rows) else buf[got]
+            scatter_rows(out8, dst, src.to(out8.device))
+            with self._lock:
+                self._keep(pool, [sub_keys[j] for j in got], src)
+        return [rows[j] for j, f in enumerate(ok) if not f]
+
+    async def _read_lower(self, group: int, keys: list[bytes], buf: torch.Tensor) -> list[bool]:
+        """Read ``keys`` into the rows of ``buf`` from the first lower tier that may hold each."""
+        ok = [False] * len(keys)
+        left = list(range(len(keys)))
         now = time.monotonic()
         for gw in self._gateways:
             if not left:
@@ -120,32 +199,31 @@ class Reader:
                 sub = [i for i in left if gw.presence(group, keys[i], now) is not False]
             if not sub:
                 continue
-            sub_keys = [keys[i] for i in sub]
-            ok = await gw.load(group, sub_keys, out8, sub)
-            got = [j for j, f in enumerate(ok) if f]
-            if got:
-                with self._lock:
-                    self._keep(pool, [sub_keys[j] for j in got], out8, [sub[j] for j in got])
-            done = {sub[j] for j in got}
-            left = [i for i in left if i not in done]
-        return left
+            loaded = await gw.load(group, [keys[i] for i in sub], buf, sub)
+            for i, f in zip(sub, loaded, strict=True):
+                ok[i] = f
+            left = [i for i in left if not ok[i]]
+        return ok
 
-    def _keep(self, pool: SlotPool, keys: list[bytes], src: torch.Tensor, rows: list[int]) -> None:
-        """Keep blocks read from a lower tier in the primary when slots can be had now."""
-        take = [j for j, k in enumerate(keys) if pool.slot_of(k) is None]
+    def _keep(self, pool: SlotPool, keys: list[bytes], src: torch.Tensor) -> None:
+        """Keep blocks read aside in the primary when slots can be had now."""
+        take = [j for j, k in enumerate(dict.fromkeys(keys)) if pool.slot_of(k) is None]
+        uniq = list(dict.fromkeys(keys))
         if not take or pool.available() < len(take) or self._admission.queue:
             return
-        got = pool.allocate([keys[j] for j in take])
+        got = pool.allocate([uniq[j] for j in take])
         if got is None:
             return
-        pool.write(got[0], take_rows(src, [rows[j] for j in take]))
+        pos = {k: j for j, k in enumerate(keys)}
+        pool.write(got[0], take_rows(src, [pos[uniq[j]] for j in take]))
         pool.mark_ready(got[0])
 
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, pool: SlotPool, keys: list[bytes],
                      req: Request | None) -> AsyncIterator[torch.Tensor]:
         """See :meth:`tierkv.TieredStore.borrow`."""
-        lender = self._admission.anonymous()
+        with self._lock:
+            lender = self._admission.open_call()
         try:
             while True:
                 with self._lock:
@@ -185,7 +263,7 @@ class Reader:
             if any(s is None or state[s] is not ready for s in slots):
                 lender = None
             else:
-                lender = self._admission.anonymous()
+                lender = self._admission.open_call()
                 self._admission.pin_many(lender, group, keys, slots)  # type: ignore[arg-type]
                 pool.touch_many(keys)
                 self._stats.hits += len(keys)
@@ -209,7 +287,7 @@ class Reader:
             if s is None:
                 missing.append(i)
             elif pool.state[s] is not SlotState.READY:
-                waits.append(self._waiter(k))
+                waits.append(self._ledger.waiter(k))
             else:
                 slots.append(s)
         return missing, waits, slots

@@ -43,6 +43,7 @@ from tierkv.exporter import start_metrics
 from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
+from tierkv.ledger import BlockLedger
 from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
 from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
 from tierkv.pool import SlotPool
@@ -85,6 +86,7 @@ class TieredStore:
         self._pools: dict[int, SlotPool] = {}
         self._gateways: list[TierGateway] = []
         self._admission = Admission({}, self.config.admission)
+        self._ledger: BlockLedger | None = None
         self._cascader: Cascader | None = None
         self._promoter: Promoter | None = None
         self._resolver: Resolver | None = None
@@ -143,17 +145,17 @@ class TieredStore:
         lock = self._lock
         self._gateways = [TierGateway(i, t, lock, up=False) for i, t in enumerate(self._tiers[1:], start=1)]
         self._admission = Admission(self._pools, self.config.admission)
-        self._cascader = Cascader(self._bridge, self._pools, self._gateways, self._changed)
-        self._promoter = Promoter(self._bridge, self._pools, self._gateways, self._admission, self._changed)
-        self._resolver = Resolver(self.layout, self._pools, self._gateways, self._admission,
-                                  self._cascader.staged, self._promoter.promoting, self._cost)
-        self._engine = EngineSlots(lock=lock, layout=self.layout, pools=self._pools,
+        self._ledger = ledger = BlockLedger(self._pools, self._admission)
+        self._cascader = Cascader(self._bridge, ledger, self._gateways, self._changed)
+        self._promoter = Promoter(self._bridge, ledger, self._gateways, self._admission, self._changed)
+        self._resolver = Resolver(self.layout, ledger, self._gateways, self._admission, self._cost)
+        self._engine = EngineSlots(lock=lock, layout=self.layout, ledger=ledger,
                                    admission=self._admission, resolver=self._resolver,
                                    check_open=self._check_open, start=self._promoter.start,
                                    committed=self._committed, changed=self._changed,
                                    set_event=self._bridge.set_event)
-        self._reader = Reader(lock=lock, admission=self._admission, gateways=self._gateways,
-                              cascader=self._cascader, promoter=self._promoter, engine=self._engine,
+        self._reader = Reader(bridge=self._bridge, ledger=ledger, admission=self._admission,
+                              gateways=self._gateways, promoter=self._promoter,
                               stats=self._primary_stats, changed=self._changed)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
@@ -351,8 +353,9 @@ class TieredStore:
                   request_id: str | None = None) -> None:
         """Copy blocks into the rows of ``out``, waiting for PENDING ones.
 
-        Blocks not in the primary are read from the first lower tier that holds them, straight
-        into ``out`` (and kept in the primary when a slot is free or evictable). Raises
+        Blocks not in the primary are promoted from the first lower tier that holds them and
+        copied out as they land (read aside and copied when the pool has no room now); no tier
+        reads into ``out``, so cancelling ``get`` always returns at once. Raises
         :class:`BlockMissing` when a block is held by no tier (``out`` rows are then unspecified).
         With ``request_id``, that request's pins on these blocks are dropped once they are copied.
         """
@@ -429,10 +432,7 @@ class TieredStore:
 
         For tests and debugging; it walks every slot, so it is not meant for a hot path.
         """
-        problems = [p for pool in self._pools.values() for p in pool.problems()]
-        if not (self._cascader is not None and self._cascader.running):  # cascades pin slots too
-            problems += self._admission.pin_problems(self._pools)
-        return problems
+        return self._ledger.problems() if self._ledger is not None else []
 
     @locked
     def stats(self) -> StoreStats:

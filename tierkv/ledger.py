@@ -1,0 +1,143 @@
+"""The block ledger: what is happening to each block of the primary, in one place.
+
+A block of the primary is in a slot of its group's :class:`~tierkv.pool.SlotPool` (FREE, WRITING
+or READY; how many pins hold it). The ledger keeps the rest of its life, which the parts that
+move blocks used to keep each for itself and ask of each other:
+
+- **in flight**: a WRITING block is on its way from a lower tier (a promotion: its
+  :class:`Landing`) or from the engine (a reservation not committed yet); :meth:`BlockLedger.waiter`
+  gives the event to wait on, whoever writes it;
+- **staged**: a block that found no primary slot is cascaded from a private copy, which lookups and
+  ``get`` see until the cascade ends (:meth:`BlockLedger.staged_row`);
+- **pins by owner**: requests and calls pin through :class:`~tierkv.admission.Admission`,
+  cascades through :meth:`BlockLedger.pin_cascade`; :meth:`BlockLedger.problems` checks that
+  every pin on every slot has its owner.
+
+State changes happen under the store's lock; nothing here awaits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import anyio
+import torch
+
+from tierkv.admission import Admission
+from tierkv.pool import SlotPool
+
+__all__ = ["BlockLedger", "Landing"]
+
+
+class Landing:
+    """What waiters of one promotion's blocks wait on: an event set as each batch lands.
+
+    One event per batch, not per block (a 1,024-block restore made 1,024 events): a waiter wakes
+    when any batch of its promotion lands, finds its block READY or not, and waits on the next.
+    """
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+
+
+class _Staged:
+    """A staged block: its private copy, how many cascades still hold it, whether a tier took it."""
+
+    __slots__ = ("cascades", "row", "stored")
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+        self.cascades = 0
+        self.stored = False
+
+
+class BlockLedger:
+    """The in-flight, staged and pinned state of one store's primary blocks (see module docs)."""
+
+    def __init__(self, pools: Mapping[int, SlotPool], admission: Admission) -> None:
+        self.pools = pools
+        self.admission = admission
+        #: keys being promoted -> their promotion's landing
+        self.promoting: dict[bytes, Landing] = {}
+        #: keys an engine reserved and has not committed -> the event ``get`` waits on (on demand)
+        self.storing: dict[bytes, anyio.Event | None] = {}
+        #: keys cascading from a private copy
+        self.staged: dict[bytes, _Staged] = {}
+        #: pins cascades hold: group -> slot -> count
+        self._cascade_pins: dict[int, Counter[int]] = {g: Counter() for g in pools}
+
+    # ---- in flight ------------------------------------------------------------------------------
+    def waiter(self, key: bytes) -> anyio.Event | None:
+        """The event set when the block in flight under ``key`` lands or is stored; None when it
+        is not in flight."""
+        landing = self.promoting.get(key)
+        if landing is not None:
+            return landing.event
+        if key not in self.storing:
+            return None
+        ev = self.storing[key]
+        if ev is None:
+            ev = self.storing[key] = anyio.Event()
+        return ev
+
+    # ---- staged copies --------------------------------------------------------------------------
+    def stage(self, key: bytes, row: torch.Tensor) -> None:
+        """One more cascade writes ``key`` from the private copy ``row``."""
+        entry = self.staged.get(key)
+        if entry is None:
+            entry = self.staged[key] = _Staged(row)
+        entry.cascades += 1
+
+    def unstage(self, key: bytes, stored: bool) -> bool:
+        """A cascade of a staged block ended (``stored``: a tier took it). True when that was the
+        last and no tier took it: the block is held by nothing now."""
+        entry = self.staged.get(key)
+        if entry is None:
+            return False
+        entry.cascades -= 1
+        entry.stored = entry.stored or stored
+        if entry.cascades > 0:
+            return False
+        del self.staged[key]
+        return not entry.stored
+
+    def staged_row(self, key: bytes) -> torch.Tensor | None:
+        """The staged copy of ``key``, if a cascade from a copy holds it."""
+        entry = self.staged.get(key)
+        return None if entry is None else entry.row
+
+    # ---- pins -----------------------------------------------------------------------------------
+    def pin_cascade(self, group: int, slots: Sequence[int]) -> None:
+        """A cascade reads ``slots``: they stay until it ends."""
+        pool, pins = self.pools[group], self._cascade_pins[group]
+        for s in slots:
+            pool.pin(s)
+            pins[s] += 1
+
+    def unpin_cascade(self, group: int, slots: Sequence[int]) -> None:
+        """The cascade that read ``slots`` ended."""
+        pool, pins = self.pools[group], self._cascade_pins[group]
+        for s in slots:
+            pool.unpin(s)
+            pins[s] -= 1
+            if not pins[s]:
+                del pins[s]
+
+    def problems(self) -> list[str]:
+        """Inconsistencies (empty when sound): the pools' slot accounting, and pins whose owner
+        (a request, a call, a cascade) does not account for them."""
+        problems = [p for pool in self.pools.values() for p in pool.problems()]
+        for g, pool in self.pools.items():
+            expected = [0] * pool.num_slots
+            problems += self.admission.count_pins(g, pool, expected)
+            for s, n in self._cascade_pins[g].items():
+                expected[s] += n
+            if expected != pool.pins:
+                wrong = [s for s in range(pool.num_slots) if expected[s] != pool.pins[s]]
+                problems.append(f"group {g}: pins of slots {wrong[:8]} do not match their owners "
+                                f"(requests, calls, cascades)")
+        return problems
+
