@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import anyio
+import torch
 
 from tierkv.admission import Admission
 from tierkv.bridge import locked
@@ -199,6 +200,13 @@ class EngineSlots:
             pool.mark_ready(done_slots)
             self._committed(group, done_keys, done_slots)
         self._changed()
+
+    def pool_rows(self) -> dict[int, torch.Tensor]:
+        """Each keyed group's primary pool as its ``[slots, block_bytes]`` uint8 tensor: the rows
+        that :meth:`reserve` and :meth:`ready_slots` number, for engines that copy into and out of
+        them themselves (a device pool's tensor is on its device)."""
+        self._check_open()
+        return {g: pool.tensor for g, pool in self._pools.items()}
 
     # ---- whole pool -----------------------------------------------------------------------------
     @locked

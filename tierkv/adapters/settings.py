@@ -8,9 +8,8 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from tierkv.config import format_validation_error
-from tierkv.errors import ConfigError
-from tierkv.numbers import Bytes, Count, Seconds, StrictNumbers
+from tierkv import ConfigError
+from tierkv.adapter import Bytes, Count, Seconds, StrictNumbers, format_validation_error
 
 __all__ = ["EngineSettings"]
 
@@ -50,8 +49,7 @@ class EngineSettings(StrictNumbers):
         except ValidationError as exc:
             why = format_validation_error(exc, cls.PREFIX)
             raise ConfigError(f"invalid tierkv settings: {why}") from None
-        from tierkv.config import StoreConfig
-        from tierkv.layout import GroupSpec, Layout
+        from tierkv import GroupSpec, Layout, StoreConfig
 
         probe = Layout(tokens_per_block=1, groups=[GroupSpec(kind="full", block_bytes=1)])
         try:

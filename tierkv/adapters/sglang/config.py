@@ -6,8 +6,8 @@ from typing import ClassVar, Literal
 
 from pydantic import PositiveInt
 
+from tierkv.adapter import Bytes, Seconds
 from tierkv.adapters.settings import EngineSettings
-from tierkv.numbers import Bytes, Seconds
 
 __all__ = ["DEFAULT_CPU_MAX", "DEFAULT_CPU_MIN", "PREFIX", "SGLANG_OWN_KEYS", "SGLangConfig"]
 

@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv import ConfigError, GroupSpec, Layout
 from tierkv.adapters.sglang.config import DEFAULT_CPU_MAX, DEFAULT_CPU_MIN, PREFIX, SGLangConfig
 from tierkv.adapters.sglang.pages import PageCodec, codec_for
-from tierkv.errors import ConfigError
-from tierkv.layout import GroupSpec, Layout
 
 __all__ = ["PoolGroup", "StorePlan", "default_cpu_bytes", "kind_of", "plan_store", "rank_identity"]
 

@@ -13,13 +13,9 @@ from typing import Any
 
 import torch
 
+from tierkv import BlockMissing, StoreStats, TieredStore, make_key
+from tierkv.adapter import KeyState, LoopThread
 from tierkv.adapters.sglang.pages import Rows
-from tierkv.bridge import LoopThread
-from tierkv.errors import BlockMissing
-from tierkv.keys import make_key
-from tierkv.lookup import KeyState
-from tierkv.metrics import StoreStats
-from tierkv.store import TieredStore
 
 __all__ = ["Fill", "StoreRunner"]
 
@@ -187,14 +183,6 @@ class StoreRunner:
 
 
 def _pool_tensors(store: TieredStore) -> dict[int, torch.Tensor]:
-    """The CPU pool's ``[slots, block_bytes]`` tensor per group, for writes into reserved slots;
-    empty (every write then goes through ``put``) if the primary does not expose them."""
-    pools = getattr(store.tiers[0], "pools", None)
-    if not isinstance(pools, dict):
-        return {}
-    out = {}
-    for g, p in pools.items():
-        t = getattr(p, "tensor", None)
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 2:
-            out[g] = t
-    return out
+    """The CPU pool's ``[slots, block_bytes]`` tensor per group, for writes into reserved slots
+    (a device pool's are left out: every write to it goes through ``put``)."""
+    return {g: t for g, t in store.engine.pool_rows().items() if t.device.type == "cpu"}

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     PoolTransferResult,
 )
 
+from tierkv import StoreStats, TieredStore
 from tierkv.adapters.sglang.config import SGLangConfig
 from tierkv.adapters.sglang.groups import PoolGroup, StorePlan, plan_store
 from tierkv.adapters.sglang.hits import PoolQuery, usable_prefix
@@ -41,8 +42,6 @@ from tierkv.adapters.sglang.keys import page_hashes
 from tierkv.adapters.sglang.metrics import OpMetrics
 from tierkv.adapters.sglang.runner import StoreRunner
 from tierkv.adapters.sglang.transfer import Transfers
-from tierkv.metrics import StoreStats
-from tierkv.store import TieredStore
 
 __all__ = ["TierKVHiCacheStorage"]
 

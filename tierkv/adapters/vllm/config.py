@@ -6,9 +6,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from tierkv.adapter import ENGINE_SWITCH_INTERVAL_S, MAX_WAIT_S, Count, Seconds, TokenRate
 from tierkv.adapters.settings import EngineSettings
-from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S
-from tierkv.numbers import MAX_WAIT_S, Count, Seconds, TokenRate
 
 __all__ = ["VLLM_OWN_KEYS", "AdapterConfig"]
 

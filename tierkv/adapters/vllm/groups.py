@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.errors import ConfigError
-from tierkv.layout import GroupSpec, Layout
+from tierkv import ConfigError, GroupSpec, Layout
 
 __all__ = ["GroupInfo", "build_layout", "infer_group_info", "transfer_group_sizes"]
 

@@ -32,15 +32,18 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from tierkv.backends.fsopen import is_local_url
-from tierkv.bridge import LoopThread
-from tierkv.engine import EngineSlots
-from tierkv.keys import GROUP_BYTES
-from tierkv.layout import Layout
-from tierkv.lookup import KeyState
-from tierkv.metrics import LATENCY_BUCKETS, Metric, samples
-from tierkv.numbers import MAX_RATE_TOKENS_S
-from tierkv.store import TieredStore
+from tierkv import Layout, TieredStore
+from tierkv.adapter import (
+    GROUP_BYTES,
+    LATENCY_BUCKETS,
+    MAX_RATE_TOKENS_S,
+    EngineSlots,
+    KeyState,
+    LoopThread,
+    Metric,
+    is_local_url,
+    samples,
+)
 
 __all__ = ["RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
 

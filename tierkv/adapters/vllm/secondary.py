@@ -66,7 +66,7 @@ Threads
     calls only read in-memory state and hand work to that loop; the gateway updates presence and
     counters under a lock the scheduler's calls share, and finished jobs are handed back as
     ``JobResult`` s under the same lock. vLLM's primary is a shared file mapping (in /dev/shm):
-    the tier registers it (:func:`tierkv.sharedmem.adopt`), so its reader processes, each with a
+    the tier registers it (:func:`tierkv.adapter.adopt_shared`), so its reader processes, each with a
     GIL of its own, read warm records straight into the primary's rows beside the scheduler's
     loop (``read_processes``, local paths; 0 turns them off).
 
@@ -98,16 +98,26 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierkv import sharedmem
+from tierkv import ConfigError, GroupSpec, Layout, StoreClosed
+from tierkv.adapter import (
+    BACKEND_METRICS,
+    ENGINE_SWITCH_INTERVAL_S,
+    GROUP_BYTES,
+    HISTOGRAMS,
+    TIER_METRICS,
+    USED_BYTES,
+    FsspecTier,
+    FsspecTierConfig,
+    LoopThread,
+    TierContext,
+    TierGateway,
+    adopt_shared,
+    cap_switch_interval,
+    redact_url,
+    release_shared,
+    tier_samples,
+)
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
-from tierkv.backends.base import TierContext
-from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
-from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
-from tierkv.errors import ConfigError, StoreClosed
-from tierkv.gateway import TierGateway
-from tierkv.keys import GROUP_BYTES
-from tierkv.layout import GroupSpec, Layout
-from tierkv.metrics import BACKEND_METRICS, HISTOGRAMS, TIER_METRICS, USED_BYTES, tier_samples
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -254,7 +264,7 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
             np.frombuffer(view, dtype=np.uint8).reshape(-1, block))
         self._num_rows = self._rows.shape[0]
         #: vLLM's primary is a shared file mapping: registered, reader processes read into it
-        self._shared = (sharedmem.adopt(self._rows.data_ptr(), self._rows.numel())
+        self._shared = (adopt_shared(self._rows.data_ptr(), self._rows.numel())
                         if self.settings.read_processes != 0 else None)
         events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None),
                                  "enable_kv_cache_events", False))
@@ -441,7 +451,7 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
     def _forget_rows(self) -> None:
         """Drop every hold on the primary (vLLM releases its memoryview and unmaps it next)."""
         if self._shared is not None:
-            sharedmem.release(self._shared)
+            release_shared(self._shared)
             self._shared = None
         self._rows = None
 

@@ -24,16 +24,13 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
+from tierkv import ConfigError, Layout, plan_pools
+from tierkv.adapter import all_metrics, cap_switch_interval, shared_pool_tensors
 from tierkv.adapters.vllm.config import AdapterConfig
 from tierkv.adapters.vllm.cpu import cpu_kv_format, ensure_amx_permission
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
-from tierkv.bridge import cap_switch_interval
-from tierkv.errors import ConfigError
-from tierkv.layout import Layout
-from tierkv.metrics import all_metrics
-from tierkv.pool import plan_pools, shared_pool_tensors
 
 __all__ = ["TierKVOffloadingSpec"]
 

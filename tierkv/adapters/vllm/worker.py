@@ -23,8 +23,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from tierkv.adapter import Copy, DeviceTransfer
 from tierkv.adapters.vllm.manager import TierKVLoadStoreSpec
-from tierkv.transfer import Copy, DeviceTransfer
 
 __all__ = ["GroupCopy", "TierKVWorker", "group_copies"]
 

@@ -1,0 +1,134 @@
+"""The adapter API: what engine adapters use beyond the public front door (:mod:`tierkv`).
+
+An adapter (``tierkv.adapters.vllm``, ``tierkv.adapters.sglang``, or one of your own for another
+engine) imports :mod:`tierkv` and this module, nothing else of tierkv's: the names here are kept
+stable for adapters, the modules behind them are not. Like :mod:`tierkv`, names are imported on
+first use (an engine's worker process that needs only :class:`DeviceTransfer` does not load the
+store).
+
+- the key-level slot API of a running store (``store.engine``): :class:`EngineSlots`,
+  :class:`KeyState`, :data:`GROUP_BYTES` (the group suffix of a full key);
+- running a store's event loop for a synchronous engine: :class:`LoopThread`,
+  :func:`cap_switch_interval`, :data:`ENGINE_SWITCH_INTERVAL_S`;
+- pools the engine shares: :func:`shared_pool_tensors`, :func:`adopt_shared` /
+  :func:`release_shared` (memory the engine owns, registered for the tier's reader processes);
+- copies between an engine's device tensors and pool rows: :class:`DeviceTransfer`, :class:`Copy`;
+- a lower tier driven without a store (vLLM's secondary tier): :class:`TierGateway`,
+  :class:`FsspecTier`, :class:`FsspecTierConfig`, :class:`TierContext`, :func:`redact_url`,
+  :func:`is_local_url`;
+- settings and metrics in the engine's own terms: :class:`StrictNumbers`, :data:`Bytes`,
+  :data:`Count`, :data:`Seconds`, :data:`TokenRate`, :data:`MAX_WAIT_S`,
+  :data:`MAX_RATE_TOKENS_S`, :func:`format_validation_error`; :class:`Metric`,
+  :data:`LATENCY_BUCKETS`, :data:`HISTOGRAMS`, :data:`TIER_METRICS`, :data:`BACKEND_METRICS`,
+  :data:`USED_BYTES`, :func:`all_metrics`, :func:`samples`, :func:`tier_samples`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierkv.backends.base import TierContext
+    from tierkv.backends.fsopen import is_local_url
+    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
+    from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
+    from tierkv.config import format_validation_error
+    from tierkv.engine import EngineSlots
+    from tierkv.gateway import TierGateway
+    from tierkv.keys import GROUP_BYTES
+    from tierkv.lookup import KeyState
+    from tierkv.metrics import (
+        BACKEND_METRICS,
+        HISTOGRAMS,
+        LATENCY_BUCKETS,
+        TIER_METRICS,
+        USED_BYTES,
+        Metric,
+        all_metrics,
+        samples,
+        tier_samples,
+    )
+    from tierkv.numbers import (
+        MAX_RATE_TOKENS_S,
+        MAX_WAIT_S,
+        Bytes,
+        Count,
+        Seconds,
+        StrictNumbers,
+        TokenRate,
+    )
+    from tierkv.pool import shared_pool_tensors
+    from tierkv.sharedmem import adopt as adopt_shared
+    from tierkv.sharedmem import release as release_shared
+    from tierkv.transfer import Copy, DeviceTransfer
+
+_WHERE: dict[str, tuple[str, str]] = {
+    **{n: ("tierkv.backends.base", n) for n in ["TierContext"]},
+    **{n: ("tierkv.backends.fsopen", n) for n in ["is_local_url"]},
+    **{n: ("tierkv.backends.fsspec", n) for n in ["FsspecTier", "FsspecTierConfig", "redact_url"]},
+    **{n: ("tierkv.bridge", n) for n in ["ENGINE_SWITCH_INTERVAL_S", "LoopThread", "cap_switch_interval"]},
+    **{n: ("tierkv.config", n) for n in ["format_validation_error"]},
+    **{n: ("tierkv.engine", n) for n in ["EngineSlots"]},
+    **{n: ("tierkv.gateway", n) for n in ["TierGateway"]},
+    **{n: ("tierkv.keys", n) for n in ["GROUP_BYTES"]},
+    **{n: ("tierkv.lookup", n) for n in ["KeyState"]},
+    **{n: ("tierkv.metrics", n) for n in ["BACKEND_METRICS", "HISTOGRAMS", "LATENCY_BUCKETS", "TIER_METRICS",
+                                          "USED_BYTES", "Metric", "all_metrics", "samples", "tier_samples"]},
+    **{n: ("tierkv.numbers", n) for n in ["MAX_RATE_TOKENS_S", "MAX_WAIT_S", "Bytes", "Count", "Seconds",
+                                          "StrictNumbers", "TokenRate"]},
+    **{n: ("tierkv.pool", n) for n in ["shared_pool_tensors"]},
+    "adopt_shared": ("tierkv.sharedmem", "adopt"),
+    "release_shared": ("tierkv.sharedmem", "release"),
+    **{n: ("tierkv.transfer", n) for n in ["Copy", "DeviceTransfer"]},
+}
+
+__all__ = [
+    "BACKEND_METRICS",
+    "Bytes",
+    "Copy",
+    "Count",
+    "DeviceTransfer",
+    "ENGINE_SWITCH_INTERVAL_S",
+    "EngineSlots",
+    "FsspecTier",
+    "FsspecTierConfig",
+    "GROUP_BYTES",
+    "HISTOGRAMS",
+    "KeyState",
+    "LATENCY_BUCKETS",
+    "LoopThread",
+    "MAX_RATE_TOKENS_S",
+    "MAX_WAIT_S",
+    "Metric",
+    "Seconds",
+    "StrictNumbers",
+    "TIER_METRICS",
+    "TierContext",
+    "TierGateway",
+    "TokenRate",
+    "USED_BYTES",
+    "adopt_shared",
+    "all_metrics",
+    "cap_switch_interval",
+    "format_validation_error",
+    "is_local_url",
+    "redact_url",
+    "release_shared",
+    "samples",
+    "shared_pool_tensors",
+    "tier_samples",
+]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'tierkv.adapter' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where[0]), where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
