@@ -10,7 +10,7 @@ suffer); ``flush`` waits for every cascade that was admitted.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
 import torch
@@ -25,13 +25,11 @@ __all__ = ["Cascader"]
 class Cascader:
     """Starts and tracks cascades for one store (state changes under the bridge's lock)."""
 
-    def __init__(self, bridge: LoopBridge, ledger: BlockLedger,
-                 gateways: Sequence[TierGateway], changed: Callable[[], None]) -> None:
+    def __init__(self, bridge: LoopBridge, ledger: BlockLedger, gateways: Sequence[TierGateway]) -> None:
         self._bridge = bridge
         self._ledger = ledger
         self._pools = ledger.pools
         self._gateways = gateways
-        self._changed = changed
         self.running = 0
         #: blocks of admitted cascades not finished yet, per tier index
         self.pending: dict[int, int] = {}
@@ -106,7 +104,7 @@ class Cascader:
         self.running -= 1
         if self.running == 0:
             self._bridge.set_event(self._idle)
-        self._changed()
+        self._ledger.changed()
 
     async def flush(self) -> None:
         """Wait until every admitted cascade has finished (or failed, counted)."""

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import anyio
 import torch
 
 from tierkv.admission import Admission
@@ -29,7 +28,7 @@ from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
 from tierkv.ledger import BlockLedger
-from tierkv.lookup import KeyState, Lookup, Resolver, Work
+from tierkv.lookup import KeyState, Lookup, Resolver
 from tierkv.pool import SlotPool, SlotState
 
 __all__ = ["EngineSlots", "EvictionListener", "Reservation", "pool_for"]
@@ -60,8 +59,7 @@ class EngineSlots:
 
     def __init__(self, *, lock: threading.RLock, layout: Layout, ledger: BlockLedger,
                  admission: Admission, resolver: Resolver, check_open: Callable[[], None],
-                 start: Callable[[Work], None], committed: Callable[[int, list[bytes], list[int]], None],
-                 changed: Callable[[], None], set_event: Callable[[anyio.Event], None]) -> None:
+                 committed: Callable[[int, list[bytes], list[int]], None]) -> None:
         self._lock = lock
         self._layout = layout
         self._ledger = ledger
@@ -69,12 +67,7 @@ class EngineSlots:
         self._admission = admission
         self._resolver = resolver
         self._check_open = check_open
-        self._start = start
         self._committed = committed
-        self._changed = changed
-        self._set_event = set_event
-        #: keys reserved until committed -> an event ``get`` waits on (made on demand)
-        self._storing = ledger.storing
         self._listeners: list[EvictionListener] = []
 
     def _pool(self, group: int) -> SlotPool:
@@ -120,9 +113,7 @@ class EngineSlots:
             # while the restore runs, and this answer must cost next to nothing (it holds the GIL)
             state = KeyState.PROMOTING if key in self._ledger.promoting else KeyState.STORING
         else:
-            states, work = self._resolver.states(group, [key], req)
-            self._start(work)
-            state = states[0]
+            state = self._resolver.states(group, [key], req)[0]
         if state.lookup is Lookup.PENDING:
             now = self._admission.clock()
             if req.pending_since is None:
@@ -151,7 +142,7 @@ class EngineSlots:
             req.last_seen = self._admission.clock()
             self._admission.unpin_many(req, group, keys)
         if self._admission.queue:
-            self._changed()
+            self._ledger.changed()
 
     # ---- stores ---------------------------------------------------------------------------------
     @locked
@@ -171,7 +162,7 @@ class EngineSlots:
         if got is None:
             return None
         for k in new:
-            self._storing[k] = None
+            self._ledger.storing[k] = None
         if len(new) == len(keys):
             return Reservation(slots=list(got[0]), evicted=list(got[1]))
         by_key = dict(zip(new, got[0], strict=True))
@@ -183,11 +174,8 @@ class EngineSlots:
         pool = self._pool(group)
         done_keys, done_slots = [], []
         for k in keys:
-            if k not in self._storing:
+            if not self._ledger.stored(k):
                 continue
-            ev = self._storing.pop(k)
-            if ev is not None:
-                self._set_event(ev)
             s = pool.slot_of(k)
             if s is None:
                 continue
@@ -199,7 +187,7 @@ class EngineSlots:
         if done_slots:
             pool.mark_ready(done_slots)
             self._committed(group, done_keys, done_slots)
-        self._changed()
+        self._ledger.changed()
 
     def pool_rows(self) -> dict[int, torch.Tensor]:
         """Each keyed group's primary pool as its ``[slots, block_bytes]`` uint8 tensor: the rows
@@ -219,5 +207,5 @@ class EngineSlots:
                      if pool.state[s] is SlotState.READY and pool.pins[s] == 0]
             pool.free(slots)
             n += len(slots)
-        self._changed()
+        self._ledger.changed()
         return n

@@ -13,19 +13,26 @@ move blocks used to keep each for itself and ask of each other:
   cascades through :meth:`BlockLedger.pin_cascade`; :meth:`BlockLedger.problems` checks that
   every pin on every slot has its owner.
 
+It also says when slots may have come free (:meth:`BlockLedger.changed`, called by whatever
+unpinned or freed them) and admits the requests waiting for them at once.
+
 State changes happen under the store's lock; nothing here awaits.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from tierkv.admission import Admission
 from tierkv.pool import SlotPool
+
+if TYPE_CHECKING:
+    from tierkv.promotion import Promoter
 
 __all__ = ["BlockLedger", "Landing"]
 
@@ -57,9 +64,15 @@ class _Staged:
 class BlockLedger:
     """The in-flight, staged and pinned state of one store's primary blocks (see module docs)."""
 
-    def __init__(self, pools: Mapping[int, SlotPool], admission: Admission) -> None:
+    def __init__(self, pools: Mapping[int, SlotPool], admission: Admission,
+                 set_event: Callable[[anyio.Event], None]) -> None:
         self.pools = pools
         self.admission = admission
+        self._set_event = set_event
+        #: whether queued requests may be admitted (the store is open)
+        self.open = False
+        self._promoter: Promoter | None = None
+        self._locate: Callable[[int, bytes], int | None] = lambda g, k: None
         #: keys being promoted -> their promotion's landing
         self.promoting: dict[bytes, Landing] = {}
         #: keys an engine reserved and has not committed -> the event ``get`` waits on (on demand)
@@ -82,6 +95,16 @@ class BlockLedger:
         if ev is None:
             ev = self.storing[key] = anyio.Event()
         return ev
+
+    def stored(self, key: bytes) -> bool:
+        """The engine completed its reservation of ``key``: wake what waits for it. False when
+        ``key`` was not reserved."""
+        if key not in self.storing:
+            return False
+        ev = self.storing.pop(key)
+        if ev is not None:
+            self._set_event(ev)
+        return True
 
     # ---- staged copies --------------------------------------------------------------------------
     def stage(self, key: bytes, row: torch.Tensor) -> None:
@@ -108,6 +131,18 @@ class BlockLedger:
         """The staged copy of ``key``, if a cascade from a copy holds it."""
         entry = self.staged.get(key)
         return None if entry is None else entry.row
+
+    # ---- slots coming free ----------------------------------------------------------------------
+    def bind(self, promoter: Promoter, locate: Callable[[int, bytes], int | None]) -> None:
+        """Who starts the promotions of admitted requests, and where a lower tier holds a key."""
+        self._promoter = promoter
+        self._locate = locate
+
+    def changed(self) -> None:
+        """Slots may have become available (pins dropped, slots freed): admit the requests waiting
+        in the queue, first come first served (call under the lock)."""
+        if self.open and self.admission.queue and self._promoter is not None:
+            self._promoter.start(self.admission.service(self._locate))
 
     # ---- pins -----------------------------------------------------------------------------------
     def pin_cascade(self, group: int, slots: Sequence[int]) -> None:

@@ -22,6 +22,7 @@ from tierkv.ledger import BlockLedger
 from tierkv.metrics import Histogram
 from tierkv.pool import SlotState
 from tierkv.prefix import needed_blocks
+from tierkv.promotion import Promoter
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Resolver", "Work"]
 
@@ -87,7 +88,7 @@ class Resolver:
     """Lookups over the store's state (call under the store's lock)."""
 
     def __init__(self, layout: Layout, ledger: BlockLedger, gateways: Sequence[TierGateway],
-                 admission: Admission, cost: CostModel | None = None) -> None:
+                 admission: Admission, promoter: Promoter, cost: CostModel | None = None) -> None:
         self.layout = layout
         self.cost = cost if cost is not None else CostModel(layout.tokens_per_block, None, None)
         #: how long prefixes stayed PENDING before their answer
@@ -95,6 +96,7 @@ class Resolver:
         self.pools = pools = ledger.pools
         self.gateways = gateways
         self.admission = admission
+        self.promoter = promoter
         self.staged: Collection[bytes] = ledger.staged
         self.promoting: Collection[bytes] = ledger.promoting
         self._tails = {g: g.to_bytes(GROUP_BYTES, "big") for g in layout.cacheable_groups}
@@ -132,8 +134,9 @@ class Resolver:
         return self.locate(group, key, now, work)
 
     # ---- per block ------------------------------------------------------------------------------
-    def states(self, group: int, keys: list[bytes], req: Request) -> tuple[list[KeyState], Work]:
-        """Per key: its :class:`KeyState`; HIT and PENDING blocks are pinned for ``req``."""
+    def states(self, group: int, keys: list[bytes], req: Request) -> list[KeyState]:
+        """Per key: its :class:`KeyState`; HIT and PENDING blocks are pinned for ``req``, and the
+        promotions and probes the answer counts on are started."""
         pool = self.pools[group]
         work = Work()
         now = time.monotonic()
@@ -174,14 +177,22 @@ class Resolver:
                         out[i] = late
                 else:
                     work.promotions += started
-        return out, work
+        self.promoter.start(work.promotions, work.probes)
+        return out
 
     # ---- prefixes -------------------------------------------------------------------------------
     def _version(self) -> int:
         return sum(gw.version for gw in self.gateways)
 
-    def prefix(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
-        """The longest usable prefix over every prefix-cacheable group (docs/design.md)."""
+    def prefix(self, hashes: Sequence[bytes], req: Request) -> PrefixLookup:
+        """The longest usable prefix over every prefix-cacheable group (docs/design.md); starts
+        the promotions and probes the answer counts on."""
+        answer, work = self._prefix_work(hashes, req)
+        if work.promotions or work.probes:
+            self.promoter.start(work.promotions, work.probes)
+        return answer
+
+    def _prefix_work(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
         now = time.monotonic()
         if req.last_hashes is None or req.last_hashes != hashes:
             req.last_hashes = list(check_hashes(hashes))

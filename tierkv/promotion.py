@@ -8,7 +8,7 @@ keys asked for while a probe task is scheduled but not started ride along with i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
 
@@ -16,7 +16,6 @@ from tierkv.admission import Admission, Promotion, Request
 from tierkv.bridge import LoopBridge
 from tierkv.gateway import TierGateway
 from tierkv.ledger import BlockLedger, Landing
-from tierkv.lookup import Work
 
 __all__ = ["Promoter"]
 
@@ -25,12 +24,12 @@ class Promoter:
     """Starts and tracks promotions and probes for one store (state under the bridge's lock)."""
 
     def __init__(self, bridge: LoopBridge, ledger: BlockLedger, gateways: Sequence[TierGateway],
-                 admission: Admission, changed: Callable[[], None]) -> None:
+                 admission: Admission) -> None:
         self._bridge = bridge
         self._pools = ledger.pools
         self._gateways = gateways
         self._admission = admission
-        self._changed = changed
+        self._ledger = ledger
         #: keys being promoted -> their promotion's landing (the ledger's)
         self.promoting = ledger.promoting
         #: keys waiting for a scheduled probe task: (tier position, group) -> keys
@@ -40,9 +39,11 @@ class Promoter:
         #: one admits one block per lookup; they load as one batch, not one read call each)
         self._scheduled: dict[tuple[int, int, Request | None], tuple[Promotion, Landing]] = {}
 
-    def start(self, work: Work) -> None:
-        """Start the promotions and probes of ``work`` (call under the lock)."""
-        for p in work.promotions:
+    def start(self, promotions: list[Promotion],
+              probes: dict[tuple[int, int], list[bytes]] | None = None) -> None:
+        """Start ``promotions`` and the presence ``probes`` ((tier position, group) -> keys) a
+        lookup or the admission queue asked for (call under the lock)."""
+        for p in promotions:
             slot = (p.tier, p.group, p.request)
             waiting = self._scheduled.get(slot)
             if waiting is not None:
@@ -56,7 +57,7 @@ class Promoter:
             self._scheduled[slot] = (p, landing)
             self._bridge.begin()
             self._bridge.spawn(self._promote, slot)
-        for (pos, group), keys in work.probes.items():
+        for (pos, group), keys in (probes or {}).items():
             gw = self._gateways[pos]
             keys = [k for k in dict.fromkeys(keys) if k not in gw.probing]
             if not keys:
@@ -104,7 +105,7 @@ class Promoter:
                 if left:  # cancelled (the store is closing): what did not land is dropped
                     landed(left, [False] * len(left))
                 self._bridge.end()
-                self._changed()
+                self._ledger.changed()
 
     async def _probe(self, gw: TierGateway, pos: int, group: int) -> None:
         try:
@@ -114,4 +115,4 @@ class Promoter:
         finally:
             with self._bridge.lock:
                 self._bridge.end()
-                self._changed()
+                self._ledger.changed()

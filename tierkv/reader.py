@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import anyio
 import torch
@@ -20,7 +20,6 @@ from tierkv.bridge import LoopBridge
 from tierkv.errors import BlockMissing
 from tierkv.gateway import TierGateway, scatter_rows
 from tierkv.ledger import BlockLedger
-from tierkv.lookup import Work
 from tierkv.metrics import TierStats
 from tierkv.pool import SlotPool, SlotState, contiguous_run
 from tierkv.promotion import Promoter
@@ -33,8 +32,7 @@ class Reader:
     """``get`` and ``borrow`` over one store's state (locks taken here, never held across awaits)."""
 
     def __init__(self, *, bridge: LoopBridge, ledger: BlockLedger, admission: Admission,
-                 gateways: Sequence[TierGateway], promoter: Promoter, stats: TierStats,
-                 changed: Callable[[], None]) -> None:
+                 gateways: Sequence[TierGateway], promoter: Promoter, stats: TierStats) -> None:
         self._bridge = bridge
         self._lock = bridge.lock
         self._ledger = ledger
@@ -42,13 +40,12 @@ class Reader:
         self._gateways = gateways
         self._promoter = promoter
         self._stats = stats
-        self._changed = changed
 
     def _done(self, req: Request | None, group: int, keys: list[bytes]) -> None:
         if req is not None:
             with self._lock:
                 self._admission.unpin_many(req, group, keys)
-                self._changed()
+                self._ledger.changed()
 
     async def get(self, group: int, pool: SlotPool, keys: list[bytes], out8: torch.Tensor,
                   req: Request | None) -> None:
@@ -147,7 +144,7 @@ class Reader:
         started = self._admission.reserve(call, group, wants) if wants else None
         if started is None:
             return rows
-        self._promoter.start(Work(promotions=started))
+        self._promoter.start(started)
         promoting = self._ledger.promoting
         for i in rows:
             if i not in promoted and keys[i] in first:

@@ -44,7 +44,7 @@ from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.ledger import BlockLedger
-from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver, Work
+from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver
 from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
 from tierkv.pool import SlotPool
 from tierkv.promotion import Promoter
@@ -127,7 +127,10 @@ class TieredStore:
             await _close_all([self._primary])
             raise
         self._open = True
-        self._bridge.spawn(self._admission.sweep_leases, self.config.pin_lease_s, self._lock, self._changed)
+        ledger = self._ledger
+        assert ledger is not None
+        ledger.open = True
+        self._bridge.spawn(self._admission.sweep_leases, self.config.pin_lease_s, self._lock, ledger.changed)
         self._bridge.spawn(_guarded, self._primary.background)
         assert self._cascader is not None
         self._lower = LowerTiers(self._bridge, self._gateways, self._pools, self._cascader.retry)
@@ -145,18 +148,17 @@ class TieredStore:
         lock = self._lock
         self._gateways = [TierGateway(i, t, lock, up=False) for i, t in enumerate(self._tiers[1:], start=1)]
         self._admission = Admission(self._pools, self.config.admission)
-        self._ledger = ledger = BlockLedger(self._pools, self._admission)
-        self._cascader = Cascader(self._bridge, ledger, self._gateways, self._changed)
-        self._promoter = Promoter(self._bridge, ledger, self._gateways, self._admission, self._changed)
-        self._resolver = Resolver(self.layout, ledger, self._gateways, self._admission, self._cost)
-        self._engine = EngineSlots(lock=lock, layout=self.layout, ledger=ledger,
-                                   admission=self._admission, resolver=self._resolver,
-                                   check_open=self._check_open, start=self._promoter.start,
-                                   committed=self._committed, changed=self._changed,
-                                   set_event=self._bridge.set_event)
+        self._ledger = ledger = BlockLedger(self._pools, self._admission, self._bridge.set_event)
+        self._cascader = Cascader(self._bridge, ledger, self._gateways)
+        self._promoter = Promoter(self._bridge, ledger, self._gateways, self._admission)
+        self._resolver = Resolver(self.layout, ledger, self._gateways, self._admission, self._promoter,
+                                  self._cost)
+        ledger.bind(self._promoter, self._resolver.held_by)
+        self._engine = EngineSlots(lock=lock, layout=self.layout, ledger=ledger, admission=self._admission,
+                                   resolver=self._resolver, check_open=self._check_open,
+                                   committed=self._committed)
         self._reader = Reader(bridge=self._bridge, ledger=ledger, admission=self._admission,
-                              gateways=self._gateways, promoter=self._promoter,
-                              stats=self._primary_stats, changed=self._changed)
+                              gateways=self._gateways, promoter=self._promoter, stats=self._primary_stats)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
 
@@ -183,6 +185,8 @@ class TieredStore:
         finally:
             with self._lock:
                 self._open = False
+                if self._ledger is not None:
+                    self._ledger.open = False
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
                     # background work stuck on a tier that does not answer is left behind
@@ -295,11 +299,10 @@ class TieredStore:
         if req is None:
             req = self._admission.anonymous()
         try:
-            states, work = self._resolver.states(group, keys, req)
+            states = self._resolver.states(group, keys, req)
         finally:
             if anon:
                 self._admission.end_call(req)
-        self._start(work)
         for st in states:
             self._lookups[st.lookup.value] += 1
         return states
@@ -320,11 +323,10 @@ class TieredStore:
         if req is None:
             req = self._admission.anonymous()
         try:
-            result, work = self._resolver.prefix(hashes, req)
+            result = self._resolver.prefix(hashes, req)
         finally:
             if anon:
                 self._admission.end_call(req)
-        self._start(work)
         self._lookups[result.state.value] += 1
         return result
 
@@ -335,18 +337,8 @@ class TieredStore:
         if type(request_id) is not str:
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
         self._admission.release(request_id)
-        self._changed()
-
-    # ---- background work ------------------------------------------------------------------------
-    def _start(self, work: Work) -> None:
-        assert self._promoter is not None
-        self._promoter.start(work)
-
-    def _changed(self) -> None:
-        """Slots may have become available: admit waiting requests (call under the lock)."""
-        if self._open and self._admission.queue:
-            assert self._resolver is not None
-            self._start(Work(promotions=self._admission.service(self._resolver.held_by)))
+        assert self._ledger is not None
+        self._ledger.changed()
 
     # ---- get / borrow -------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
