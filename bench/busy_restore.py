@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from restore import config, hashes_for, raw_readinto_loop, until_hit, write
 
 from tierkv import TieredStore
-from tierkv.benchmarks.pagecache import read_files
+from tierkv.tools.bench.pagecache import read_files
 
 VARIANTS = {"private": (False, 0), "shared, read_processes 0": (True, 0),
             "shared, read_processes auto": (True, "auto")}

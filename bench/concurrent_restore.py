@@ -19,7 +19,7 @@ import json
 
 import anyio
 
-from tierkv.simulate import Scenario, run_scenario
+from tierkv.tools.simulate import Scenario, run_scenario
 
 
 async def main(blocks: int, as_json: bool) -> None:

@@ -8,7 +8,7 @@ from helpers import FULL, REC, SW, blocks, config, group_stats, hashes, hybrid_l
 from s3util import new_bucket, s3_endpoint, storage_options
 
 from tierkv import Lookup, PrefixLookup, TieredStore
-from tierkv.simulate import Scenario, run_scenario
+from tierkv.tools.simulate import Scenario, run_scenario
 
 pytestmark = pytest.mark.anyio
 __all__ = ["s3_endpoint"]  # the fixture

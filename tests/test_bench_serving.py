@@ -1,4 +1,4 @@
-"""The serving benchmark (tierkv.benchmarks.serving): a real engine run in quick mode, the summary's
+"""The serving benchmark (tierkv.tools.bench.serving): a real engine run in quick mode, the summary's
 checks on made-up samples, and clear one-line errors (bad flags, missing vLLM / matplotlib / weed)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tierkv.benchmarks import serving
-from tierkv.benchmarks.serving import main, summarize
+from tierkv.tools.bench import serving
+from tierkv.tools.bench.serving import main, summarize
 
 RESTORED = ("cpu", "file_warm")
 
@@ -22,7 +22,7 @@ RESTORED = ("cpu", "file_warm")
 @pytest.mark.slow
 def test_quick_run_restores_with_identical_first_tokens(tmp_path: Path) -> None:
     pytest.importorskip("vllm.v1.kv_offload.base")
-    proc = subprocess.run([sys.executable, "-m", "tierkv.benchmarks.serving", "--quick", "--json",
+    proc = subprocess.run([sys.executable, "-m", "tierkv.tools.bench.serving", "--quick", "--json",
                            "--sources", "cold,cpu,file_warm", "--dir", str(tmp_path / "work"),
                            "--cold-method", "fadvise"],
                           capture_output=True, text=True, timeout=1200)
@@ -98,7 +98,7 @@ def test_summary_flags_a_request_that_was_not_restored() -> None:
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_flags_exit_nonzero_without_a_traceback(args: list[str], words: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tierkv.benchmarks.serving", *args],
+    proc = subprocess.run([sys.executable, "-m", "tierkv.tools.bench.serving", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and words in proc.stderr

@@ -88,7 +88,7 @@ def test_eviction_on_a_shared_tier_keeps_what_is_left_usable(tmp_path: Path) -> 
     """4 nodes write 3.2x the shared tier's capacity, all at once: eviction takes each prefix's end
     before its beginning, so every record the tier still holds belongs to a usable prefix (one
     whose blocks are all there from the first; before: 91-96% in three runs, the rest orphans)."""
-    from tierkv.nodes import run_nodes
+    from tierkv.tools.nodes import run_nodes
 
     per_record = 65536
     res = run_nodes(nodes=4, url=f"file://{tmp_path}", documents=8, blocks=16, block_bytes=per_record,

@@ -56,7 +56,7 @@ def test_the_tools_run_where_pytest_is_not_installed() -> None:
     """``scripts/dev demo`` builds a venv without the test extra: simulate and nodes must not
     import pytest (through tierkv.testing)."""
     code = ("import sys; sys.modules['pytest'] = None\n"
-            "import tierkv.simulate, tierkv.nodes, tierkv.cli.run_cmds\n"
+            "import tierkv.tools.simulate, tierkv.tools.nodes, tierkv.cli.run_cmds\n"
             "from tierkv.testing import processes\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

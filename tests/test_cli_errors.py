@@ -207,7 +207,7 @@ def test_ctrl_c_during_a_commands_own_imports_exits_even_if_the_import_swallows_
             "class Swallow(importlib.abc.MetaPathFinder):\n"
             "    fired = False\n"
             "    def find_spec(self, name, path, target=None):\n"
-            "        if name == 'tierkv.demo' and not Swallow.fired:\n"
+            "        if name == 'tierkv.tools.demo' and not Swallow.fired:\n"
             "            Swallow.fired = True\n"
             "            try:\n"
             "                os.kill(os.getpid(), signal.SIGINT)\n"

@@ -108,7 +108,7 @@ def test_the_concurrent_restore_table_holds_what_the_benchmark_prints() -> None:
     run of the same scenarios now."""
     import anyio
 
-    from tierkv.simulate import Scenario, run_scenario
+    from tierkv.tools.simulate import Scenario, run_scenario
 
     text = (ROOT / "docs" / "performance.md").read_text()
     row = r"^\| 8 \| (\d) \| \*\*([\d.]+)\*\* \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$"

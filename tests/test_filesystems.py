@@ -193,7 +193,7 @@ async def test_cancellation_cuts_a_start_that_waits_for_a_tier(stalling: type[St
 
 
 async def test_inspect_says_what_the_store_found_the_file_system_does(shm_dir: Path, tmp_path: Path) -> None:
-    from tierkv.audit import inspect_tier
+    from tierkv.tools.audit import inspect_tier
 
     on_tmpfs = await inspect_tier(f"file://{shm_dir}")
     on_disk = await inspect_tier(f"file://{tmp_path}")
@@ -287,7 +287,7 @@ async def test_verify_never_calls_sound_what_the_stores_read_path_cannot_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from tierkv.audit import verify_tier
+    from tierkv.tools.audit import verify_tier
 
     hs, data = hashes(4, doc=12), blocks(4, BB, seed=12)
     async with TieredStore(cfg(tmp_path)) as store:

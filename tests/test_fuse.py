@@ -19,7 +19,7 @@ from helpers import blocks, hashes
 from seaweed import seaweed_server
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
-from tierkv.audit import verify_tier
+from tierkv.tools.audit import verify_tier
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

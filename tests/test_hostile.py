@@ -38,8 +38,8 @@ from tierkv import (
     TierKVError,
     make_key,
 )
-from tierkv.audit import verify_tier
 from tierkv.backends.namespace import record_path
+from tierkv.tools.audit import verify_tier
 
 pytestmark = pytest.mark.anyio
 __all__ = ["s3_endpoint"]  # the fixture

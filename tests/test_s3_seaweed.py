@@ -36,12 +36,12 @@ from seaweed import COMPAT_CREDENTIALS, SeaweedServer, seaweed
 from test_fsspec_tier import logs
 
 from tierkv import BackendError, BlockMissing, GroupSpec, Layout, Lookup, TieredStore
-from tierkv.audit import inspect_tier
 from tierkv.backends.base import Tier
 from tierkv.backends.fsspec import FsspecTier, record_path
 from tierkv.cli import main as cli_main
 from tierkv.keys import make_key
 from tierkv.testing import TierTests, conformance_layout
+from tierkv.tools.audit import inspect_tier
 
 __all__ = ["logs", "seaweed"]  # fixtures, imported for this module
 

@@ -14,7 +14,7 @@ record itself always holds the whole key, which a reader checks. ``<n0n1>/<n2n3>
 first hex digits (two levels of fan-out). Only ``[0-9a-f]``, ``g``, ``k``, ``.`` and ``/`` appear
 in a record's path, so no key can name a path outside the root.
 
-The fsspec tier and ``tierkv inspect`` / ``tierkv verify`` (:mod:`tierkv.audit`) both use this
+The fsspec tier and ``tierkv inspect`` / ``tierkv verify`` (:mod:`tierkv.tools.audit`) both use this
 module; nothing else derives paths.
 """
 

@@ -42,7 +42,7 @@ def add_demo(sub: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from tierkv.demo import run_demo
+    from tierkv.tools.demo import run_demo
 
     out = console()
     with progress() as bar:
@@ -135,7 +135,7 @@ def add_simulate(sub: Any) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     if args.nodes is not None:
         return _nodes(args)
-    from tierkv.simulate import Scenario, run_scenario
+    from tierkv.tools.simulate import Scenario, run_scenario
 
     slots = dict(args.slots)
     kinds = args.kinds if isinstance(args.kinds, list) else _kinds(args.kinds)
@@ -169,7 +169,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _nodes(args: argparse.Namespace) -> int:
     import tempfile
 
-    from tierkv.nodes import run_nodes
+    from tierkv.tools.nodes import run_nodes
 
     with tempfile.TemporaryDirectory(prefix="tierkv-nodes-") as tmp:
         res = run_nodes(nodes=args.nodes, url=args.url or f"file://{tmp}", documents=args.documents,

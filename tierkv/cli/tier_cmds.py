@@ -57,7 +57,7 @@ def _ratio(r: float | None) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from tierkv.audit import inspect_tier
+    from tierkv.tools.audit import inspect_tier
 
     with progress() as bar:
         task = bar.add_task("reading record headers", total=None)
@@ -119,7 +119,7 @@ def add_verify(sub: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from tierkv.audit import verify_tier
+    from tierkv.tools.audit import verify_tier
 
     with progress() as bar:
         task = bar.add_task("verifying records", total=None)

@@ -1,4 +1,4 @@
-"""One engine process of the serving benchmark (:mod:`tierkv.benchmarks.serving_engine`) and its
+"""One engine process of the serving benchmark (:mod:`tierkv.tools.bench.serving_engine`) and its
 command channel: JSON lines in on stdin, answers out on stdout, everything else to its log."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tierkv.benchmarks.serving_engine import PREFIX
 from tierkv.errors import BenchError
 from tierkv.testing.processes import kill_group, spawn
+from tierkv.tools.bench.serving_engine import PREFIX
 
 __all__ = ["EngineProcess"]
 
 
 class EngineProcess:
-    """One engine process (:mod:`tierkv.benchmarks.serving_engine`) and its command channel."""
+    """One engine process (:mod:`tierkv.tools.bench.serving_engine`) and its command channel."""
 
     def __init__(self, name: str, config: dict[str, Any], log_path: Path, env: dict[str, str]) -> None:
         self.name = name
@@ -38,7 +38,7 @@ class EngineProcess:
         self._log = open(self.log_path, "ab")  # closed in kill()
         self._log.write(f"==== {time.strftime('%H:%M:%S')} engine {self.name}\n".encode())
         self._log.flush()
-        cmd = [sys.executable, "-m", "tierkv.benchmarks.serving_engine", json.dumps(self.config)]
+        cmd = [sys.executable, "-m", "tierkv.tools.bench.serving_engine", json.dumps(self.config)]
         self.proc = spawn(cmd, self._log, self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         threading.Thread(target=self._pump, name=f"engine-{self.name}", daemon=True).start()
         self.ready = self._answer(timeout, "start")

@@ -1,6 +1,6 @@
-"""One vLLM engine process driven by :mod:`tierkv.benchmarks.serving` (one process per engine).
+"""One vLLM engine process driven by :mod:`tierkv.tools.bench.serving` (one process per engine).
 
-    python -m tierkv.benchmarks.serving_engine '<JSON config>'
+    python -m tierkv.tools.bench.serving_engine '<JSON config>'
 
 The config names a model directory (a ``config.json`` only: weights are vLLM's ``dummy`` load
 format, deterministic, so every process gets the same model), the engine sizes and tierkv's

@@ -20,10 +20,10 @@ from typing import Any, Literal
 import anyio
 import torch
 
-from tierkv.demo import block_for, chain_hashes
 from tierkv.layout import GroupSpec, Layout
 from tierkv.store import Lookup, TieredStore
 from tierkv.testing.processes import child_failure, run_child
+from tierkv.tools.demo import block_for, chain_hashes
 
 __all__ = ["RequestResult", "Scenario", "SimulationResult", "run_scenario", "write_documents"]
 
@@ -137,7 +137,7 @@ async def write_documents(sc: Scenario) -> None:
 
 def _write_in_subprocess(sc: Scenario) -> None:
     params = json.dumps(asdict(sc))
-    proc = subprocess.run([sys.executable, "-m", "tierkv.simulate", "--write", params],
+    proc = subprocess.run([sys.executable, "-m", "tierkv.tools.simulate", "--write", params],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise child_failure("the writer process failed", proc.stderr)
@@ -210,4 +210,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--write":
         run_child(lambda: _main_write(sys.argv[2]))
     else:
-        sys.exit("usage: python -m tierkv.simulate --write PARAMS_JSON (use `tierkv simulate`)")
+        sys.exit("usage: python -m tierkv.tools.simulate --write PARAMS_JSON (use `tierkv simulate`)")

@@ -1,7 +1,7 @@
 """Serving-level benchmark: time to first token (TTFT) of a real vLLM engine restoring a prefix
 through tierkv, against plain prefill (``tierkv bench serving``).
 
-    python -m tierkv.benchmarks.serving [--model llama-250m|qwen3-0.6b] [--lengths 1024,4096,16384]
+    python -m tierkv.tools.bench.serving [--model llama-250m|qwen3-0.6b] [--lengths 1024,4096,16384]
         [--sources cold,cpu,file_warm,file_cold,s3] [--repeats 3] [--json] [--plot FILE.png]
         [--dir DIR] [--quick]
 
@@ -16,7 +16,7 @@ The model
     length and repeat. Engine: ``enforce_eager``, ``enable_prefix_caching``, ``block_size`` 32,
     ``max_model_len`` the longest prompt plus a block, vLLM's own KV cache sized to hold one
     longest prompt (``kv_cache_memory_bytes``), tierkv's CPU pool sized to hold every prompt of a
-    repeat. Each engine runs in its own process (:mod:`tierkv.benchmarks.serving_engine`).
+    repeat. Each engine runs in its own process (:mod:`tierkv.tools.bench.serving_engine`).
 
 Every figure is one request, ``SamplingParams(max_tokens=1)``, timed two ways: the wall time of
 ``LLM.generate`` and vLLM's own ``RequestOutput.metrics.first_token_latency`` (arrival to first
@@ -97,12 +97,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.benchmarks.engine_process import EngineProcess
-from tierkv.benchmarks.pagecache import drop_page_cache, read_files, resident_fraction
-from tierkv.benchmarks.serving_engine import MODELS, ModelShape, write_model_dir
-from tierkv.benchmarks.serving_report import DEFAULT_SOURCES, SOURCES, median, plot, render
 from tierkv.errors import BenchError, install_hint
 from tierkv.testing.seaweed import SeaweedServer, find_weed
+from tierkv.tools.bench.engine_process import EngineProcess
+from tierkv.tools.bench.pagecache import drop_page_cache, read_files, resident_fraction
+from tierkv.tools.bench.serving_engine import MODELS, ModelShape, write_model_dir
+from tierkv.tools.bench.serving_report import DEFAULT_SOURCES, SOURCES, median, plot, render
 
 __all__ = ["SOURCES", "BenchError", "Options", "add_arguments", "build_parser", "main", "options_from_args",
            "run_serving"]
@@ -194,7 +194,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m tierkv.benchmarks.serving``."""
+    """The parser of ``python -m tierkv.tools.bench.serving``."""
     p = argparse.ArgumentParser(prog=PROG, description=(
         "Time to first token of a real vLLM engine restoring prefixes through tierkv (CPU pool, "
         "file:// warm and cold, S3) against prefill."))
@@ -681,7 +681,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tierkv.benchmarks.serving [options]``; returns the exit status (2: usage or setup)."""
+    """``python -m tierkv.tools.bench.serving [options]``; returns the exit status (2: usage or setup)."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse printed its message

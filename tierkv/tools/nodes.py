@@ -6,7 +6,7 @@ blocks whose bytes derive from their hash), all at once; then every node restore
 next node wrote and checks them byte for byte. With ``capacity_bytes`` the nodes write more than
 the tier may hold between them, and the report says how many bytes the tier holds once they stop.
 
-A node runs as ``python -m tierkv.nodes`` with its spec as one JSON line on stdin (credentials
+A node runs as ``python -m tierkv.tools.nodes`` with its spec as one JSON line on stdin (credentials
 never appear on a command line) and answers with one JSON line on stdout.
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 import anyio
 import torch
 
-from tierkv.demo import block_for, chain_hashes
 from tierkv.layout import GroupSpec, Layout
 from tierkv.store import Lookup, TieredStore
 from tierkv.testing.processes import child_failure, run_child
+from tierkv.tools.demo import block_for, chain_hashes
 
 __all__ = ["NodesResult", "run_nodes"]
 
@@ -116,7 +116,7 @@ class NodesResult:
 
 async def _held(spec: dict[str, Any]) -> tuple[int, int]:
     """Bytes and records in the namespace, listed by a store that writes nothing."""
-    from tierkv.audit import inspect_tier
+    from tierkv.tools.audit import inspect_tier
 
     report = await inspect_tier(spec["url"], spec.get("storage_options") or {})
     return (sum(ns.bytes_on_disk for ns in report.namespaces), sum(ns.records for ns in report.namespaces))
@@ -130,7 +130,7 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
     t0 = time.perf_counter()
     spec = {"nodes": nodes, "url": url, "documents": documents, "blocks": blocks, "block_bytes": block_bytes,
             "capacity_bytes": capacity_bytes, "storage_options": storage_options or {}}
-    procs = [subprocess.Popen([sys.executable, "-m", "tierkv.nodes"], stdin=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "tierkv.tools.nodes"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(nodes)]
     try:
