@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tierkv.errors import CapacityError, ConfigError, InvalidArgument
 from tierkv.layout import GroupSpec, Layout
 from tierkv.policy import ARCPolicy, LRUPolicy, make_policy
-from tierkv.pool import SlotPool, SlotState, contiguous_run, plan_pools, shared_pool_tensors
+from tierkv.pool import SlotPool, SlotState, plan_pools, shared_pool_tensors
+from tierkv.tensors import contiguous_run
 
 
 def k(i: int) -> bytes:

@@ -30,8 +30,7 @@ import torch
 from tierkv.backends.base import Tier
 from tierkv.health import TierHealth, why
 from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
-from tierkv.pool import contiguous_run, wide_view
-from tierkv.tensors import as_bytes, row_span
+from tierkv.tensors import as_bytes, row_span, scatter_rows
 
 __all__ = ["ByteBudget", "RateEstimate", "RowPlan", "TierGateway", "plan_rows"]
 
@@ -577,19 +576,3 @@ def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) 
     else:
         t = src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
     return t if t.device.type == "cpu" else t.cpu()
-
-
-def scatter_rows(dest: torch.Tensor, rows: Sequence[int], src: torch.Tensor) -> None:
-    """``dest[rows[i]] = src[i]`` for byte rows, batched (an int64 view where the rows allow)."""
-    block = dest.shape[1] * dest.element_size()
-    d8 = dest.view(torch.uint8).reshape(dest.shape[0], block)
-    s8 = src.view(torch.uint8).reshape(len(rows), block)
-    if s8.device != d8.device:
-        s8 = s8.to(d8.device)
-    r = contiguous_run(rows)
-    if r is not None:
-        d8[r[0]:r[1]].copy_(s8)
-        return
-    wide = wide_view(d8)
-    idx = torch.tensor(list(rows), dtype=torch.int64, device=d8.device)
-    wide.index_copy_(0, idx, s8.contiguous().view(wide.dtype))

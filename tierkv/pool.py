@@ -14,6 +14,7 @@ from tierkv import sharedmem
 from tierkv.errors import CapacityError, InvalidArgument
 from tierkv.layout import Layout
 from tierkv.policy import EvictionPolicy, make_policy
+from tierkv.tensors import contiguous_run, wide_view
 
 __all__ = [
     "GroupPlan",
@@ -21,10 +22,10 @@ __all__ = [
     "SlotPool",
     "SlotState",
     "allocate_pool_tensor",
-    "contiguous_run",
+
     "plan_pools",
     "shared_pool_tensors",
-    "wide_view",
+
 ]
 
 
@@ -191,15 +192,6 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
     flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
     return {g.group: flat[offsets[g.group]:offsets[g.group] + g.bytes].view(g.slots, g.block_bytes)
             for g in plan.groups}
-
-
-def wide_view(t: torch.Tensor) -> torch.Tensor:
-    """View rows as int64 (or the widest type dividing the row) for fast batched index copies."""
-    row = t.shape[-1]
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if row % size == 0 and t.data_ptr() % size == 0:
-            return t.view(dtype)
-    return t
 
 
 class SlotPool:
@@ -459,13 +451,3 @@ class SlotPool:
         gets to the store: freeing gigabytes takes tens of milliseconds, which a collection would
         charge to whatever runs next. Views handed out (borrowed rows) keep their own memory."""
         self.tensor = self._wide = torch.empty((0, self.block_bytes), dtype=torch.uint8, device=self.device)
-
-
-def contiguous_run(idx: Sequence[int]) -> tuple[int, int] | None:
-    """``(start, stop)`` when ``idx`` is ``start, start+1, ..., stop-1``; None otherwise."""
-    if not idx:
-        return None
-    first = idx[0]
-    if idx[-1] - first + 1 != len(idx) or any(s != first + j for j, s in enumerate(idx)):
-        return None
-    return first, first + len(idx)

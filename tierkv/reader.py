@@ -18,12 +18,12 @@ import torch
 from tierkv.admission import Admission, Request
 from tierkv.bridge import LoopBridge
 from tierkv.errors import BlockMissing
-from tierkv.gateway import TierGateway, scatter_rows
+from tierkv.gateway import TierGateway
 from tierkv.ledger import BlockLedger
 from tierkv.metrics import TierStats
-from tierkv.pool import SlotPool, SlotState, contiguous_run
+from tierkv.pool import SlotPool, SlotState
 from tierkv.promotion import Promoter
-from tierkv.tensors import row_span, take_rows
+from tierkv.tensors import contiguous_run, row_span, scatter_rows, take_rows
 
 __all__ = ["Reader"]
 

@@ -1,12 +1,15 @@
-"""Checks that a caller's tensor can be used as rows of block bytes, before any state changes."""
+"""Rows of block bytes: checks that a caller's tensor can be used as such rows (before any state
+changes), and the batched row copies every part uses (runs of adjacent rows copied as one)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["as_bytes", "byte_rows", "row_span", "take_rows"]
+__all__ = ["as_bytes", "byte_rows", "contiguous_run", "row_span", "scatter_rows", "take_rows", "wide_view"]
 
 
 def as_bytes(t: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
@@ -66,3 +69,38 @@ def take_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
     if idx and idx[-1] - idx[0] + 1 == len(idx) and all(s == idx[0] + j for j, s in enumerate(idx)):
         return row_span(t, idx[0], idx[-1] + 1)
     return t.index_select(0, torch.tensor(idx, dtype=torch.int64, device=t.device))
+
+
+def wide_view(t: torch.Tensor) -> torch.Tensor:
+    """View rows as int64 (or the widest type dividing the row) for fast batched index copies."""
+    row = t.shape[-1]
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row % size == 0 and t.data_ptr() % size == 0:
+            return t.view(dtype)
+    return t
+
+
+def contiguous_run(idx: Sequence[int]) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``idx`` is ``start, start+1, ..., stop-1``; None otherwise."""
+    if not idx:
+        return None
+    first = idx[0]
+    if idx[-1] - first + 1 != len(idx) or any(s != first + j for j, s in enumerate(idx)):
+        return None
+    return first, first + len(idx)
+
+
+def scatter_rows(dest: torch.Tensor, rows: Sequence[int], src: torch.Tensor) -> None:
+    """``dest[rows[i]] = src[i]`` for byte rows, batched (an int64 view where the rows allow)."""
+    block = dest.shape[1] * dest.element_size()
+    d8 = dest.view(torch.uint8).reshape(dest.shape[0], block)
+    s8 = src.view(torch.uint8).reshape(len(rows), block)
+    if s8.device != d8.device:
+        s8 = s8.to(d8.device)
+    r = contiguous_run(rows)
+    if r is not None:
+        d8[r[0]:r[1]].copy_(s8)
+        return
+    wide = wide_view(d8)
+    idx = torch.tensor(list(rows), dtype=torch.int64, device=d8.device)
+    wide.index_copy_(0, idx, s8.contiguous().view(wide.dtype))
