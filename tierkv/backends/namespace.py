@@ -1,4 +1,4 @@
-"""The on-disk layout of a persistent tier: one owner for paths, names and the namespace manifest.
+"""Where a persistent tier keeps things: the one owner of its paths, names and namespace manifest.
 
 Everything under a tier's root, relative to it::
 

@@ -2,7 +2,7 @@
 
 Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsopen.open_driver`:
 os calls for local paths, async s3fs for S3, any other fsspec file system) and classify what they
-list with :mod:`tierkv.backends.namespace`, the one owner of the on-disk layout (namespace
+list with :mod:`tierkv.backends.namespace`, the one owner of the paths under a tier (namespace
 manifests, records, temporary files of writers, and other files, which are never touched).
 
 :func:`inspect_tier` reads only record headers (namespaces, groups, record counts, bytes on disk,
