@@ -62,6 +62,10 @@ class Verdicts:
 _tls = threading.local()
 
 
+def _all_down(codes: list[int]) -> bool:
+    return bool(codes) and all(c in DOWN_CODES for c in codes)
+
+
 def _frames(nbytes: int) -> np.ndarray:
     """This thread's frame buffer (headers and trailers of one batch), at least ``nbytes``."""
     buf: np.ndarray | None = getattr(_tls, "frames", None)
@@ -117,7 +121,10 @@ class MooncakeClient:
     # ---- batches ----------------------------------------------------------------------------------
     def exist(self, names: list[str]) -> list[int]:
         """Per name: 1 held, 0 not, negative: a Mooncake status code."""
-        return list(self.store.batch_is_exist(names))
+        codes = list(self.store.batch_is_exist(names))
+        if _all_down(codes):  # a connection to a master that restarted fails once, then reconnects
+            codes = list(self.store.batch_is_exist(names))
+        return codes
 
     def remove(self, names: list[str]) -> list[int]:
         """Remove objects, leases or not (a damaged record, a delete); per name a status code."""
@@ -158,7 +165,10 @@ class MooncakeClient:
         try:
             config = ReplicateConfig()
             config.replica_num = self.cfg.replicas
-            return list(self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
+            codes = list(self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
+            if _all_down(codes):
+                codes = list(self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
+            return codes
         finally:
             self._release(held)
 
@@ -184,6 +194,8 @@ class MooncakeClient:
         held = self._register([(base, frame_bytes), (row_ptr, n * stride)])
         try:
             codes = list(self.store.batch_get_into_multi_buffers(names, ptrs, sizes, False))
+            if _all_down(codes):
+                codes = list(self.store.batch_get_into_multi_buffers(names, ptrs, sizes, False))
         finally:
             self._release(held)
         out = Verdicts(found=[None] * n)
