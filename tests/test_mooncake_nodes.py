@@ -137,3 +137,24 @@ def test_the_master_killed_and_restarted_under_the_nodes(tmp_path: Path) -> None
         for n in nodes:
             n.send("quit")
             assert n.event("closed", WORK_S)["close_s"] < 30
+
+
+@pytest.mark.slow
+def test_simulate_nodes_on_a_mooncake_cluster(tmp_path: Path) -> None:
+    """``tierkv simulate --nodes 3 --url mooncake://HOST:PORT``: every node restores another's
+    documents identically; ``--capacity-bytes`` does not apply there, said in one line."""
+    with MooncakeMaster(tmp_path) as master:
+        url = f"mooncake://{master.endpoint}"
+        proc = subprocess.run([sys.executable, "-m", "tierkv.cli", "simulate", "--nodes", "3", "--url", url,
+                               "--documents", "2", "--blocks", "6", "--json"],
+                              capture_output=True, text=True, timeout=START_S + WORK_S,
+                              env=process_tests._env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(proc.stdout)
+        assert report["ok"] and [n["identical"] for n in report["nodes"]] == [12, 12, 12], report
+        bad = subprocess.run([sys.executable, "-m", "tierkv.cli", "simulate", "--nodes", "2", "--url", url,
+                              "--capacity-bytes", "1000000"], capture_output=True, text=True, timeout=START_S,
+                             env=process_tests._env())
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and "master bounds the pool" in lines[0], bad.stderr
