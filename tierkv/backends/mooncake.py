@@ -19,6 +19,7 @@ that restarted (empty: a master keeps its objects in memory).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -55,6 +56,13 @@ PROBE_S = 2.0
 def object_name(fingerprint: str, key: bytes) -> str:
     """The Mooncake object name of ``key``'s record in the namespace ``fingerprint``."""
     return record_path(ROOT, fingerprint, key)
+
+
+def _close_quietly(client: MooncakeClient) -> None:
+    try:
+        client.close()
+    except Exception as exc:
+        log.warning("closing a mooncake client set up after its open was given up: %s", exc)
 
 
 class MooncakeTier(Tier):
@@ -118,7 +126,8 @@ class MooncakeTier(Tier):
         await anyio.to_thread.run_sync(probe_master, self.cfg.master, min(PROBE_S, self.cfg.open_timeout_s))
         client = MooncakeClient(self.cfg)
         setup = DaemonPool(1, "tierkv-mooncake-setup")
-        wanted = [True]
+        lock = threading.Lock()
+        state = {"wanted": True, "ready": False}
 
         def run() -> None:
             try:
@@ -126,13 +135,21 @@ class MooncakeTier(Tier):
             except BaseException:
                 client.closed = True
                 raise
-            if not wanted[0]:
-                client.close()
+            with lock:
+                state["ready"] = True
+                if state["wanted"]:
+                    return
+            _close_quietly(client)  # the open was cut short meanwhile: nobody will use this client
 
         try:
             await Jobs(self.count).run_all(setup, [run], buffers=False)
         except BaseException:
-            wanted[0] = False
+            with lock:
+                state["wanted"] = False
+                orphan = state["ready"]
+            if orphan:  # set up just as the open was cut short
+                threading.Thread(target=_close_quietly, args=(client,), name="tierkv-mooncake-close",
+                                 daemon=True).start()
             raise
         finally:
             setup.shutdown(wait=False)

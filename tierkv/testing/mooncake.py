@@ -26,23 +26,23 @@ from pathlib import Path
 from tierkv.errors import install_hint
 from tierkv.testing.processes import kill_group, spawn
 
-__all__ = ["OS_PACKAGES", "MooncakeMaster", "find_master", "missing"]
+__all__ = ["OS_PACKAGES", "MooncakeMaster", "StorageNode", "find_master", "missing"]
 
 #: Debian packages the wheel's libraries link against
 OS_PACKAGES = ("libcurl4", "libibverbs1", "librdmacm1", "rdma-core", "libnuma1", "liburing2")
 READY_TIMEOUT = 30.0
 
 
-def find_master() -> str | None:
-    """``mooncake_master``: ``$MOONCAKE_MASTER_BIN``, the interpreter's bin dir, then ``PATH``."""
-    env = os.environ.get("MOONCAKE_MASTER_BIN")
+def find_master(name: str = "mooncake_master") -> str | None:
+    """``mooncake_master`` (or another binary of the wheel, ``name``): ``$MOONCAKE_MASTER_BIN``
+    (the master only), the interpreter's bin dir, then ``PATH``."""
+    env = os.environ.get("MOONCAKE_MASTER_BIN") if name == "mooncake_master" else None
     if env:
         return env if os.access(env, os.X_OK) else None
-    for candidate in (Path(sys.executable).parent / "mooncake_master",
-                      Path(sys.prefix) / "bin" / "mooncake_master"):
+    for candidate in (Path(sys.executable).parent / name, Path(sys.prefix) / "bin" / name):
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
-    return shutil.which("mooncake_master")
+    return shutil.which(name)
 
 
 def missing() -> str | None:
@@ -125,6 +125,48 @@ class MooncakeMaster:
         self.kill()
 
     def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StorageNode:
+    """A ``mooncake_client`` process: a node that only contributes ``segment_bytes`` of memory to
+    the master's pool (objects written by processes that contribute none live there)."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int) -> None:
+        binary = find_master("mooncake_client")
+        if binary is None:
+            raise FileNotFoundError(f"no mooncake_client binary; {install_hint('mooncake')}")
+        (self.port,) = _free_ports(1)
+        self.log_path = master.log_path.with_name(f"mooncake-node-{self.port}.log")
+        self.cmd = [binary, f"--master_server_address={master.endpoint}", "--host=127.0.0.1",
+                    f"--port={self.port}", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE",
+                    f"--global_segment_size={segment_bytes >> 20} MB"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> StorageNode:
+        """Start it and wait until it serves (its segment is then mounted)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = spawn(self.cmd, log, dict(os.environ))
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self.proc.returncode}; see {self.log_path}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return self
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError(f"mooncake_client did not serve on port {self.port} within {READY_TIMEOUT:g}s")
+
+    def close(self) -> None:
+        """Stop it (its segment and every object in it leave the pool)."""
+        if self.proc is not None:
+            kill_group(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> StorageNode:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
