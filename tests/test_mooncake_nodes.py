@@ -98,15 +98,16 @@ def test_each_node_restores_another_nodes_prefixes_identically(tmp_path: Path) -
 @pytest.mark.slow
 def test_a_killed_nodes_blocks_are_misses_elsewhere_never_wrong_bytes(tmp_path: Path) -> None:
     """Node 0 is SIGKILLed: the objects in its segment are gone. Nodes 1 and 2 restore node 0's
-    prefixes: each lookup settles within the deadline; what is served is node 0's bytes; what was
-    in its segment is missing."""
+    prefixes at once (before the master drops node 0): each lookup settles within seconds; what is
+    served is node 0's bytes; what was in its segment is missing."""
     with cluster(tmp_path) as (_, nodes):
         nodes[0].proc.kill()
         nodes[0].proc.wait()
         served = lost = 0
         for n in nodes[1:]:
             for d, doc in enumerate(n.restore(0)):
-                assert doc["settle_s"] < 60, doc
+                assert doc["settle_s"] < 10, f"a read of a gone node's object costs a transfer timeout " \
+                                             f"(about 1 s), not more: {doc}"
                 assert doc["equal"] is not False and doc["state_equal"] is not False, (d, doc)
                 served += doc["blocks"] if doc["equal"] else 0
                 lost += BLOCKS - doc["blocks"] if doc["equal"] or doc["blocks"] == 0 else BLOCKS

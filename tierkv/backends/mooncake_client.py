@@ -214,7 +214,8 @@ class MooncakeClient:
             elif code in DOWN_CODES:
                 out.down += 1
                 continue
-            out.found[i] = self._read_whole(names[i], keys[i], rows[i], fingerprint, code, out)
+            out.found[i] = self._read_whole(names[i], keys[i], rows[i], fingerprint, code,
+                                            hl + block + TRAILER_LEN, out)
             if isinstance(out.found[i], str):
                 damaged.append(names[i])
         if damaged:
@@ -222,13 +223,13 @@ class MooncakeClient:
         return out
 
     def _read_whole(self, name: str, key: bytes, row: np.ndarray, fingerprint: str, code: int,
-                    out: Verdicts) -> bool | str | None:
+                    expected: int, out: Verdicts) -> bool | str | None:
         """An object whose scattered read failed or did not verify: fetch it whole and decode it;
         True (it was good after all), a corruption reason, or None (gone, or unreachable)."""
         size = self.store.get_size(name)
-        if size <= 0:
+        if size <= 0 or (code < 0 and size == expected):
             if code not in ABSENT and size not in ABSENT:
-                out.transfer_errors += 1  # e.g. the node that held it has gone
+                out.transfer_errors += 1  # the right size, not transferred: its node has gone
             return None
         if size > row.nbytes + (1 << 16):
             return "size"
