@@ -271,14 +271,12 @@ async def test_a_store_rides_out_a_killed_master_and_recovers_by_itself(own_mast
             out = torch.zeros((8, bb), dtype=torch.uint8)
             await store.get(FULL, resident, out)
         assert torch.equal(out, data[8:]), "resident blocks are served while the master is down"
-        t0 = time.monotonic()
-        with anyio.fail_after(30):
+        with anyio.fail_after(5):  # about 0.5 s measured: the master's port refuses at once
             res = await settle(store, remote_only, "down")
         assert res == [Lookup.MISS] * 8, res
-        with anyio.fail_after(30), pytest.raises(BlockMissing):
+        with anyio.fail_after(5), pytest.raises(BlockMissing):
             await store.get(FULL, remote_only[:4], out[:4], request_id="down")
         store.release("down")
-        assert time.monotonic() - t0 < 30
         new, new_data = hashes(4, salt=5), rand_blocks(4, bb, seed=5)
         t0 = time.monotonic()
         await store.put(FULL, new, new_data)
