@@ -314,6 +314,43 @@ async def test_a_store_rides_out_a_killed_master_and_recovers_by_itself(own_mast
         assert time.monotonic() - t0 < 5 + 5, "close is bounded by close_timeout_s"
 
 
+@needs_mooncake
+@pytest.mark.anyio
+async def test_a_hung_master_costs_lookups_a_bounded_wait(own_master: MooncakeMaster) -> None:
+    """The master SIGSTOPped (connections open, no answers): Mooncake's calls to it time out after
+    ``request_timeout_s`` (not Mooncake's 30 s), lookups of blocks only in Mooncake settle MISS,
+    resident blocks are served, close is bounded; once it answers again the tier reads again."""
+    layout = one_group(64 << 10)
+    hs, data = hashes(8, salt=8), rand_blocks(8, 64 << 10, seed=8)
+    store = TieredStore(store_cfg(own_master.endpoint, layout, slots=4, close_timeout_s=5))
+    await store.open()
+    try:
+        for i in range(0, 8, 4):
+            await store.put(FULL, hs[i:i + 4], data[i:i + 4])
+            await store.flush()
+        own_master.freeze()
+        try:
+            t0 = time.monotonic()
+            with anyio.fail_after(60):
+                out = torch.zeros((4, 64 << 10), dtype=torch.uint8)
+                await store.get(FULL, hs[4:], out)
+                assert torch.equal(out, data[4:])
+                res = await settle(store, hs[:4], "hung")
+            store.release("hung")
+            assert res == [Lookup.MISS] * 4, res
+            hung_s = time.monotonic() - t0
+            assert hung_s < 15, f"lookups waited {hung_s:.1f}s on a hung master, not request_timeout_s (5 s)"
+        finally:
+            own_master.freeze(False)
+        with anyio.fail_after(60):
+            while not await _all_in_tier(store, hs[:4]):
+                await anyio.sleep(0.2)
+    finally:
+        t0 = time.monotonic()
+        await store.close()
+        assert time.monotonic() - t0 < 5 + 5
+
+
 async def _all_in_tier(store: TieredStore, hs: list[bytes]) -> bool:
     try:
         return all(await store.tiers[1].contains(FULL, [make_key(h, FULL) for h in hs]))

@@ -10,6 +10,7 @@ one whose size or bytes do not match is fetched whole and decoded, which says wh
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ REPLICA_IS_NOT_READY = -703
 DOWN_CODES = frozenset({-900, -901, -902, -1010, -1011})
 #: codes that say the object is not (or no longer, or not yet) there
 ABSENT = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, -710, -712})
+RPC_FAIL = -900
 ELEM_SIZE = 2
 
 
@@ -63,7 +65,8 @@ _tls = threading.local()
 
 
 def _all_down(codes: list[int]) -> bool:
-    return bool(codes) and all(c in DOWN_CODES for c in codes)
+    """Every call of a batch failed at once (RPC_FAIL: a broken connection, not a timeout)."""
+    return bool(codes) and all(c == RPC_FAIL for c in codes)
 
 
 def _frames(nbytes: int) -> np.ndarray:
@@ -86,8 +89,11 @@ class MooncakeClient:
 
     def setup(self) -> None:
         """Connect to the master and mount this process's segment; raises with the master's
-        endpoint and the cause."""
+        endpoint and the cause. Mooncake's calls to the master then time out after
+        ``request_timeout_s`` (its ``MC_RPC_TIMEOUT_MS``, read when a client is set up, one value
+        per process: the environment's, else the first tier's), not after 30 s."""
         cfg = self.cfg
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(cfg.request_timeout_s * 1000))))
         rc = self.store.setup(cfg.hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
                               cfg.protocol, cfg.rdma_devices, cfg.master)
         if rc != 0:

@@ -60,8 +60,9 @@ class MooncakeTierConfig(TierConfig):
     local_hostname: str | None = None
     #: Mooncake's metadata service: ``P2PHANDSHAKE`` (none needed), or an etcd / HTTP URL
     metadata_server: str = "P2PHANDSHAKE"
-    #: how long a presence probe, a removal or the health check may take before the tier counts as
-    #: not answering (reads and writes into the engine's rows are never cut short: they end first)
+    #: how long a call to the master may take (Mooncake's ``MC_RPC_TIMEOUT_MS``, one value per
+    #: process: the environment's, else the first tier's; Mooncake's own default is 30 s), and a
+    #: presence probe, a removal or the health check before the tier counts as not answering
     request_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: threads that run the blocking Mooncake calls (each batch is one call)
     io_threads: PositiveInt = 4

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -114,6 +115,11 @@ class MooncakeMaster:
         if self.proc is not None:
             kill_group(self.proc)
             self.proc = None
+
+    def freeze(self, frozen: bool = True) -> None:
+        """SIGSTOP the master (a hung server: connections open, no answers), or SIGCONT it."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def restart(self) -> MooncakeMaster:
         """Start it again on the same port (its objects are gone: a master keeps them in memory)."""
