@@ -18,6 +18,7 @@ _known: dict[str, tuple[str, str | None]] = {
     "cpu": ("tierkv.backends.pooltier:CpuTier", None),
     "device": ("tierkv.backends.pooltier:DeviceTier", None),
     "fsspec": ("tierkv.backends.fsspec:FsspecTier", None),
+    "mooncake": ("tierkv.backends.mooncake:MooncakeTier", "mooncake"),
     "faulty": ("tierkv.testing.faults:FaultyTier", None),
 }
 _loaded: dict[str, type[Tier]] = {}

@@ -103,7 +103,8 @@ def add_simulate(sub: Any) -> None:
                                    "restores R requests in the same step through small pools (--compare "
                                    "also runs a naive policy that treats a full pool as a miss).\n\nWith "
                                    "--nodes N: N processes, each its own store, share one tier (--url: a "
-                                   "directory or a bucket); all write at once, then each restores what "
+                                   "directory, a bucket, or mooncake://HOST:PORT, a Mooncake Store master); "
+                                   "all write at once, then each restores what "
                                    "another wrote; with --capacity-bytes, the tier's bytes once they stop "
                                    "are reported against it.\n\nExit codes: 0 every restore identical (and "
                                    "the tier within capacity), 1 otherwise, 2 error.")

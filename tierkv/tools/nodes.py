@@ -6,12 +6,17 @@ blocks whose bytes derive from their hash), all at once; then every node restore
 next node wrote and checks them byte for byte. With ``capacity_bytes`` the nodes write more than
 the tier may hold between them, and the report says how many bytes the tier holds once they stop.
 
+With ``--url mooncake://host:port`` the nodes share a Mooncake Store cluster instead: each node's
+``mooncake`` tier contributes a segment to the pool, and since the objects live in the nodes'
+segments, a node keeps its store (and segment) open until every node has restored.
+
 A node runs as ``python -m tierkv.tools.nodes`` with its spec as one JSON line on stdin (credentials
 never appear on a command line) and answers with one JSON line on stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -22,14 +27,19 @@ from typing import Any
 import anyio
 import torch
 
+from tierkv.errors import ConfigError
 from tierkv.layout import GroupSpec, Layout
 from tierkv.store import Lookup, TieredStore
 from tierkv.testing.processes import child_failure, run_child
 from tierkv.tools.demo import block_for, chain_hashes
 
-__all__ = ["NodesResult", "run_nodes"]
+__all__ = ["MOONCAKE", "NodesResult", "run_nodes"]
 
 GROUP = 0
+#: the URL scheme of a Mooncake Store cluster: ``mooncake://<master host>:<port>``
+MOONCAKE = "mooncake://"
+#: what each node contributes to a Mooncake cluster's pool
+SEGMENT_BYTES = 256 << 20
 
 
 def _layout(block_bytes: int) -> Layout:
@@ -37,9 +47,12 @@ def _layout(block_bytes: int) -> Layout:
 
 
 def _config(spec: dict[str, Any]) -> dict[str, Any]:
-    tier: dict[str, Any] = {"kind": "fsspec", "url": spec["url"],
-                            "storage_options": spec.get("storage_options") or {},
-                            "rescan_s": spec.get("rescan_s", 2.0)}
+    tier: dict[str, Any]
+    if spec["url"].startswith(MOONCAKE):
+        tier = {"kind": "mooncake", "master": spec["url"][len(MOONCAKE):], "segment_bytes": SEGMENT_BYTES}
+    else:
+        tier = {"kind": "fsspec", "url": spec["url"], "storage_options": spec.get("storage_options") or {},
+                "rescan_s": spec.get("rescan_s", 2.0)}
     if spec.get("capacity_bytes"):
         tier["capacity_bytes"] = spec["capacity_bytes"]
     return {"layout": _layout(spec["block_bytes"]), "namespace": "tierkv-simulate-nodes",
@@ -53,7 +66,9 @@ def _doc(node: int, d: int, blocks: int) -> list[bytes]:
 async def _node(spec: dict[str, Any]) -> dict[str, Any]:
     node, blocks, bb = spec["node"], spec["blocks"], spec["block_bytes"]
     out: dict[str, Any] = {"node": node, "written": 0, "restored": 0, "identical": 0, "missing": 0}
-    async with TieredStore(_config(spec)) as store:
+    shared_memory = spec["url"].startswith(MOONCAKE)  # the objects live in the nodes' segments
+    async with contextlib.AsyncExitStack() as stack:
+        store = await stack.enter_async_context(TieredStore(_config(spec)))
         for d in range(spec["documents"]):
             hs = _doc(node, d, blocks)
             await store.put(GROUP, hs, torch.stack([block_for(h, GROUP, bb) for h in hs]))
@@ -62,28 +77,41 @@ async def _node(spec: dict[str, Any]) -> dict[str, Any]:
             out["written"] += blocks
         t = store.stats().tiers[1]
         out["stores_failed"], out["stores_shed"] = t.stores_failed, t.stores_shed
-    # the others are writing too: wait until they are done before restoring what one of them wrote
-    sys.stdout.write(json.dumps({"event": "written"}) + "\n")
-    sys.stdout.flush()
-    sys.stdin.readline()
-    other = (node + 1) % spec["nodes"]
-    async with TieredStore(_config({**spec, "capacity_bytes": None})) as store:
-        for d in range(spec["documents"]):
-            hs = _doc(other, d, blocks)
-            rid = f"restore-{d}"
-            with anyio.fail_after(120):
-                while (pl := store.lookup_prefix(hs, request_id=rid)).state is Lookup.PENDING:
-                    await anyio.sleep(0.01)
-            got = pl.blocks if pl.state is Lookup.HIT else 0
-            out["missing"] += blocks - got
-            if got:
-                buf = torch.empty((got, bb), dtype=torch.uint8)
-                await store.get(GROUP, hs[:got], buf, request_id=rid)
-                out["restored"] += got
-                out["identical"] += sum(bool(torch.equal(buf[i], block_for(h, GROUP, bb)))
-                                        for i, h in enumerate(hs[:got]))
-            store.release(rid)
+        if not shared_memory:
+            await stack.aclose()
+        # the others are writing too: wait until they are done before restoring what one of them wrote
+        sys.stdout.write(json.dumps({"event": "written"}) + "\n")
+        sys.stdout.flush()
+        sys.stdin.readline()
+        if not shared_memory:
+            store = await stack.enter_async_context(TieredStore(_config({**spec, "capacity_bytes": None})))
+        await _restore(store, spec, out)
+        if shared_memory:  # keep the segment until every node has restored
+            sys.stdout.write(json.dumps({"event": "restored"}) + "\n")
+            sys.stdout.flush()
+            sys.stdin.readline()
     return out
+
+
+async def _restore(store: TieredStore, spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """Restore the documents the next node wrote; count what came back and whether identical."""
+    node, blocks, bb = spec["node"], spec["blocks"], spec["block_bytes"]
+    other = (node + 1) % spec["nodes"]
+    for d in range(spec["documents"]):
+        hs = _doc(other, d, blocks)
+        rid = f"restore-{d}"
+        with anyio.fail_after(120):
+            while (pl := store.lookup_prefix(hs, request_id=rid)).state is Lookup.PENDING:
+                await anyio.sleep(0.01)
+        got = pl.blocks if pl.state is Lookup.HIT else 0
+        out["missing"] += blocks - got
+        if got:
+            buf = torch.empty((got, bb), dtype=torch.uint8)
+            await store.get(GROUP, hs[:got], buf, request_id=rid)
+            out["restored"] += got
+            out["identical"] += sum(bool(torch.equal(buf[i], block_for(h, GROUP, bb)))
+                                    for i, h in enumerate(hs[:got]))
+        store.release(rid)
 
 
 @dataclass
@@ -127,6 +155,9 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
               timeout_s: float = 600.0) -> NodesResult:
     """Run the nodes as processes; each writes ``documents`` x ``blocks`` blocks, then restores
     the next node's documents."""
+    if url.startswith(MOONCAKE) and capacity_bytes is not None:
+        raise ConfigError("--capacity-bytes does not apply to a mooncake:// tier: its master bounds the pool "
+                          "(the nodes' segments) and evicts")
     t0 = time.perf_counter()
     spec = {"nodes": nodes, "url": url, "documents": documents, "blocks": blocks, "block_bytes": block_bytes,
             "capacity_bytes": capacity_bytes, "storage_options": storage_options or {}}
@@ -143,11 +174,21 @@ def run_nodes(*, nodes: int, url: str, documents: int, blocks: int, block_bytes:
             line = p.stdout.readline()
             if not line:
                 raise child_failure("a node failed while writing", _tail(p))
-        held, records = anyio.run(_held, spec)
+        shared_memory = url.startswith(MOONCAKE)
+        held, records = (None, None) if shared_memory else anyio.run(_held, spec)
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
+        if shared_memory:  # every node has restored; then they may leave (with their segments)
+            for p in procs:
+                assert p.stdout is not None
+                if not p.stdout.readline():
+                    raise child_failure("a node failed while restoring", _tail(p))
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("done\n")
+                p.stdin.flush()
         results = []
         for p in procs:
             out, err = p.communicate(timeout=timeout_s)
