@@ -24,11 +24,13 @@ Every system uses ``--threads`` threads:
 
 MB/s (1 MB = 1e6 bytes), medians of ``--repeats`` rounds; ``+sync``: stores counting a ``sync``
 after them (what buffered writes still owe the device). ``x fio``: native / fio psync of the
-same phase; ``x loop``: native / the loop; both per round, then the median. The systems run in a
-different order each round; warm loads take the median of three passes. fio reads every record into
-the same small buffer (cache-hot), the others into rows of one large array, as a pool is: warm, fio is
-an upper bound rather than a like-for-like figure. Last, the xxh3_64 checksum of every row just read
-(``xxhash.xxh3_64(row)``, which releases the GIL while it hashes), what a verified load adds.
+same phase; ``x loop``: native / the loop; both per round, then the median. ``cpu``: CPU time of
+this process (every thread, ``getrusage``) per MiB moved: on a shared machine steadier than MB/s.
+The systems run in a different order each round; warm loads take the median of three passes. fio
+reads every record into the same small buffer (cache-hot), the others into rows of one large
+array, as a pool is: warm, fio is an upper bound rather than a like-for-like figure. Last, the
+xxh3_64 checksum of every row just read (``xxhash.xxh3_64(row)``, which releases the GIL while it
+hashes), what a verified load adds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -178,15 +181,24 @@ def fio(root: str, phase: str, engine: str, size: int, count: int, threads: int)
     return float(side["io_bytes"]) / (float(side["runtime"]) / 1000) / 1e6
 
 
-def timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return ru.ru_utime + ru.ru_stime
+
+
+def timed(fn: Callable[[], None], cpu: list[float] | None = None) -> float:
+    """Wall seconds of ``fn()``; its CPU seconds (all threads) appended to ``cpu``."""
+    c, t = _cpu(), time.perf_counter()
     fn()
-    return time.perf_counter() - t
+    t = time.perf_counter() - t
+    if cpu is not None:
+        cpu.append(_cpu() - c)
+    return t
 
 
 def one_round(base: str, size: int, count: int, args: argparse.Namespace, ours: dict[str, Ours], turn: int
               ) -> dict[str, dict[str, float]]:
-    mb = size * count / 1e6
+    mb, mib = size * count / 1e6, size * count / (1 << 20)
     out: dict[str, dict[str, float]] = {}
     order = SYSTEMS[turn % len(SYSTEMS):] + SYSTEMS[:turn % len(SYSTEMS)]  # drift spreads over all
     for name in order:
@@ -206,18 +218,21 @@ def one_round(base: str, size: int, count: int, args: argparse.Namespace, ours: 
                     r["cold"] = fio(root, "cold", engine, size, count, args.threads)
             else:
                 sys_ = ours[name]
-                t = timed(functools.partial(sys_.store, root))
+                cpu: list[float] = []
+                t = timed(functools.partial(sys_.store, root), cpu)
                 ts = timed(os.sync)
-                r["store"], r["store+sync"] = mb / t, mb / (t + ts)
+                r["store"], r["store+sync"], r["cpu store"] = mb / t, mb / (t + ts), cpu[-1] / mib * 1e6
                 read_once(sys_.paths(root))
-                r["warm"] = mb / statistics.median(timed(functools.partial(sys_.load, root))
+                r["warm"] = mb / statistics.median(timed(functools.partial(sys_.load, root), cpu)
                                                    for _ in range(WARM_PASSES))
+                r["cpu warm"] = statistics.median(cpu[-WARM_PASSES:]) / mib * 1e6
                 sys_.check()
                 if name == "native":
                     r["xxh3"] = mb / timed(sys_.checksums)
                 if args.drop_caches:
                     drop_caches(root)
-                    r["cold"] = mb / timed(functools.partial(sys_.load, root))
+                    r["cold"] = mb / timed(functools.partial(sys_.load, root), cpu)
+                    r["cpu cold"] = cpu[-1] / mib * 1e6
                     sys_.check()
             out[name] = r
         finally:
@@ -272,8 +287,8 @@ def _med(xs: list[float]) -> float:
 
 
 def report(kib: int, rounds: list[dict[str, dict[str, float]]]) -> None:
-    cols = ("store", "store+sync", "warm", "cold")
-    print(f"\n{kib} KiB records")
+    cols = ("store", "store+sync", "warm", "cold", "cpu store", "cpu warm", "cpu cold")
+    print(f"\n{kib} KiB records (MB/s; cpu: CPU us of this process per MiB)")
     print(f"  {'system':<11}" + "".join(f"{c:>11}" for c in cols) + "   x fio (store/warm/cold)   x loop")
     for name in SYSTEMS:
         row = [_med([r[name].get(c, float("nan")) for r in rounds]) for c in cols]

@@ -451,6 +451,7 @@ typedef struct {
     Py_ssize_t npaths;
     Py_buffer *views;
     Py_ssize_t nviews;
+    Py_ssize_t cap; /* room in views and iov */
     struct iovec *iov;
 } Held;
 
@@ -479,18 +480,27 @@ static Py_ssize_t count_parts(PyObject *item) {
     return 1;
 }
 
-/* Export the buffers of `item` into h (held until held_free) and describe them in *p. */
+/* Export the buffers of `item` into h (held until held_free) and describe them in *p. A list is
+ * copied first: exporting a buffer may run Python code (__buffer__, __fspath__ of another item)
+ * that changes it. */
 static int held_parts(Held *h, PyObject *item, int writable, Py_ssize_t index, Parts *p) {
-    PyObject *one[1] = {item};
-    PyObject **objs = one;
+    PyObject *seq = NULL;
+    PyObject **objs = &item;
     Py_ssize_t n = 1;
+    int r = -1;
     if (PyList_Check(item) || PyTuple_Check(item)) {
-        objs = PySequence_Fast_ITEMS(item);
-        n = PySequence_Fast_GET_SIZE(item);
+        if ((seq = PySequence_Tuple(item)) == NULL)
+            return -1;
+        objs = &PyTuple_GET_ITEM(seq, 0);
+        n = PyTuple_GET_SIZE(seq);
     }
     if (n > MAX_PARTS) {
         PyErr_Format(PyExc_ValueError, "item %zd has %zd buffers; at most %d", index, n, MAX_PARTS);
-        return -1;
+        goto out;
+    }
+    if (n > h->cap - h->nviews) {
+        PyErr_Format(PyExc_RuntimeError, "item %zd: the buffer lists changed during the call", index);
+        goto out;
     }
     p->iov = h->iov + h->nviews;
     p->n = (int)n;
@@ -503,19 +513,22 @@ static int held_parts(Held *h, PyObject *item, int writable, Py_ssize_t index, P
                 PyErr_Clear();
                 PyErr_Format(PyExc_ValueError, "item %zd: buffers must be C-contiguous", index);
             }
-            return -1;
+            goto out;
         }
         h->nviews++;
         if (writable && v->readonly) {
             PyErr_Format(PyExc_TypeError, "item %zd: a read needs writable buffers, got a read-only %.80s",
                          index, Py_TYPE(objs[k])->tp_name);
-            return -1;
+            goto out;
         }
         p->iov[k].iov_base = v->buf;
         p->iov[k].iov_len = (size_t)v->len;
         p->total += v->len;
     }
-    return 0;
+    r = 0;
+out:
+    Py_XDECREF(seq);
+    return r;
 }
 
 static int held_alloc(Held *h, Py_ssize_t npaths, Py_ssize_t nviews) {
@@ -523,6 +536,7 @@ static int held_alloc(Held *h, Py_ssize_t npaths, Py_ssize_t nviews) {
     h->paths = PyMem_Calloc((size_t)npaths + 1, sizeof(PyObject *));
     h->views = PyMem_Calloc((size_t)nviews + 1, sizeof(Py_buffer));
     h->iov = PyMem_Calloc((size_t)nviews + 1, sizeof(struct iovec));
+    h->cap = nviews;
     if (h->paths == NULL || h->views == NULL || h->iov == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -554,10 +568,10 @@ static PyObject *read_batch(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     if (check_threads(threads) != 0)
         return NULL;
-    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
+    PyObject *paths = PySequence_Tuple(paths_obj); /* copies: see held_parts */
     if (paths == NULL)
         return NULL;
-    PyObject *bufs = PySequence_Fast(bufs_obj, "bufs must be a sequence");
+    PyObject *bufs = PySequence_Tuple(bufs_obj);
     if (bufs == NULL) {
         Py_DECREF(paths);
         return NULL;
@@ -641,7 +655,7 @@ static PyObject *write_batch(PyObject *self, PyObject *args, PyObject *kw) {
             return NULL;
         }
     }
-    PyObject *items = PySequence_Fast(items_obj, "items must be a sequence");
+    PyObject *items = PySequence_Tuple(items_obj); /* a copy: see held_parts */
     if (items == NULL)
         return NULL;
     PyObject *out = NULL, *sizes = NULL;
