@@ -26,6 +26,9 @@ MB/s (1 MB = 1e6 bytes), medians of ``--repeats`` rounds; ``+sync``: stores coun
 after them (what buffered writes still owe the device). ``x fio``: native / fio psync of the
 same phase; ``x loop``: native / the loop; both per round, then the median. ``cpu``: CPU time of
 this process (every thread, ``getrusage``) per MiB moved: on a shared machine steadier than MB/s.
+``warm busy``: a warm load again while another thread of the process runs pure-Python code (an
+engine's scheduler, say); ``spin``: that thread's speed meanwhile, as a fraction of its speed
+alone (measured at the start).
 The systems run in a different order each round; warm loads take the median of three passes. fio
 reads every record into the same small buffer (cache-hot), the others into rows of one large
 array, as a pool is: warm, fio is an upper bound rather than a like-for-like figure. Last, the
@@ -51,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -186,6 +190,33 @@ def _cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+#: iterations per second of :class:`Busy`'s loop with nothing else running in this process
+SPIN_IDLE = [0.0]
+
+
+class Busy:
+    """A thread running pure-Python code, as an engine's scheduler does, for a ``with`` block:
+    ``rate``: its iterations per second meanwhile."""
+
+    def __init__(self) -> None:
+        self.n, self.stop, self.rate = 0, False, 0.0
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        while not self.stop:
+            self.n += 1
+
+    def __enter__(self) -> Busy:
+        self.t = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        self.thread.join()
+        self.rate = self.n / (time.perf_counter() - self.t)
+
+
 def timed(fn: Callable[[], None], cpu: list[float] | None = None) -> float:
     """Wall seconds of ``fn()``; its CPU seconds (all threads) appended to ``cpu``."""
     c, t = _cpu(), time.perf_counter()
@@ -227,6 +258,10 @@ def one_round(base: str, size: int, count: int, args: argparse.Namespace, ours: 
                                                    for _ in range(WARM_PASSES))
                 r["cpu warm"] = statistics.median(cpu[-WARM_PASSES:]) / mib * 1e6
                 sys_.check()
+                with Busy() as busy:
+                    r["warm busy"] = mb / timed(functools.partial(sys_.load, root))
+                r["spin"] = busy.rate / SPIN_IDLE[0]
+                sys_.check()
                 if name == "native":
                     r["xxh3"] = mb / timed(sys_.checksums)
                 if args.drop_caches:
@@ -262,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tierkv batchio bench: {os.cpu_count()} CPUs {platform.machine()}, Python "
           f"{platform.python_version()}, {args.threads} threads, batches of {args.batch}; MB/s, medians of "
           f"{args.repeats} rounds; load average {os.getloadavg()[0]:.1f} at the start")
+    with Busy() as idle:
+        time.sleep(0.5)
+    SPIN_IDLE[0] = idle.rate
     base = tempfile.mkdtemp(prefix="tierkv-batchio-", dir=args.dir or "/var/tmp")
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "sizes": {}}
     try:
@@ -287,12 +325,13 @@ def _med(xs: list[float]) -> float:
 
 
 def report(kib: int, rounds: list[dict[str, dict[str, float]]]) -> None:
-    cols = ("store", "store+sync", "warm", "cold", "cpu store", "cpu warm", "cpu cold")
+    cols = ("store", "store+sync", "warm", "cold", "cpu store", "cpu warm", "cpu cold", "warm busy", "spin")
     print(f"\n{kib} KiB records (MB/s; cpu: CPU us of this process per MiB)")
     print(f"  {'system':<11}" + "".join(f"{c:>11}" for c in cols) + "   x fio (store/warm/cold)   x loop")
     for name in SYSTEMS:
         row = [_med([r[name].get(c, float("nan")) for r in rounds]) for c in cols]
-        cells = "".join(f"{v:>11.0f}" if v == v else f"{'-':>11}" for v in row)
+        cells = "".join(f"{v:>11.2f}" if c == "spin" and v == v else f"{v:>11.0f}" if v == v else f"{'-':>11}"
+                        for c, v in zip(cols, row, strict=True))
         extra = ""
         if name == "native":
             nan = float("nan")

@@ -274,6 +274,21 @@ def test_bad_input_is_an_error_before_any_io(io: ModuleType, tmp_path: Path) -> 
     assert not Path(p + ".tmp").exists() and Path(p).read_bytes() == data(10).tobytes()
 
 
+def test_python_code_run_while_the_arguments_are_read_cannot_break_the_batch(io: ModuleType,
+                                                                            tmp_path: Path) -> None:
+    write(io, tmp_path, [data(5000)])
+    parts = [bytearray(2500), bytearray(2500)]
+    lists: list[Any] = [parts]
+
+    class Sneaky:
+        def __fspath__(self) -> str:
+            parts.clear()  # the buffers of the item, before they are exported
+            lists.clear()
+            return str(tmp_path / "r0")
+
+    assert io.read_batch([Sneaky()], lists) == [0]
+
+
 # ---- which one runs ---------------------------------------------------------------------------------------
 def test_tierkv_native_0_forces_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERKV_NATIVE", "0")

@@ -174,6 +174,7 @@ def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Buffers], direct: bo
                nowait: bool = False, threads: int = 1) -> list[int]:
     """See :func:`tierkv.backends.batchio.read_batch`."""
     _check_threads(threads)
+    paths, bufs = list(paths), list(bufs)  # copies: __fspath__ may change the caller's lists
     if len(paths) != len(bufs):
         raise ValueError(f"{len(paths)} paths but {len(bufs)} buffers")
     encoded = [os.fsencode(p) for p in paths]
@@ -266,7 +267,7 @@ def write_batch(items: Sequence[tuple[Any, Any, Buffers]], fsync: bool = False, 
     if not 0 <= dmode <= 0o7777:
         raise ValueError(f"dir_mode must be a permission mode, got {dmode}")
     jobs = []
-    for i, it in enumerate(items):
+    for i, it in enumerate(list(items)):
         if not isinstance(it, tuple) or len(it) != 3:
             raise TypeError(f"item {i} must be a tuple (final_path, tmp_path, buffers)")
         jobs.append((os.fsencode(it[0]), os.fsencode(it[1]), _views(it[2], False, i)))
