@@ -231,6 +231,32 @@ def test_many_threads_calling_at_once(io: ModuleType, tmp_path: Path) -> None:
     assert temps(tmp_path) == []
 
 
+def test_a_forked_child_runs_batches_on_threads_of_its_own(io: ModuleType, tmp_path: Path) -> None:
+    recs = [data(70_000, seed=i) for i in range(8)]
+    write(io, tmp_path, recs, threads=4)  # the parent's helper threads exist now
+    pid = os.fork()
+    if pid == 0:  # the child: no helper thread came along
+        code = 1
+        try:
+            bufs = [bytearray(r.size) for r in recs]
+            got = io.read_batch([tmp_path / f"r{i}" for i in range(8)], bufs, threads=4)
+            same = all(b == r.tobytes() for b, r in zip(bufs, recs, strict=True))
+            ok = got == [r.size for r in recs] and same
+            code = 0 if ok else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's batch did not end")
+
+
 def test_an_interrupt_during_a_batch_leaves_whole_records_or_none(io: ModuleType, tmp_path: Path) -> None:
     recs = [data(256 * 1024, seed=i) for i in range(200)]
     timer = threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGINT))

@@ -395,53 +395,124 @@ static long long write_one(WriteJob *j, const Options *o, char **scratch) {
 
 /* ---- running a batch over threads ------------------------------------------------------------- */
 
-typedef struct {
+/* Helper threads are started once and kept (starting three threads per call cost about as much
+ * as a plain Python loop spends per 4 KiB record); a call hands its batch to up to threads-1 of
+ * them and works on it itself. A forked child starts with none (pthread_atfork). */
+
+typedef struct Batch {
     ReadJob *reads;
     WriteJob *writes;
     Py_ssize_t n;
     Options opt;
-    Py_ssize_t next; /* taken with __atomic_fetch_add */
+    Py_ssize_t next;     /* the next item, taken with __atomic_fetch_add */
+    int helpers;         /* how many helpers may join */
+    int joined;          /* under pool_mu, as are active and queued */
+    int active;
+    struct Batch *queued;
 } Batch;
 
-static void *worker(void *arg) {
-    Batch *b = arg;
-    char *scratch = NULL;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a batch was queued */
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* a helper left a batch */
+static int pool_size = 0;
+static Batch *pool_queue = NULL;
+
+static void work(Batch *b, char **scratch) {
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->n)
             break;
         if (b->reads != NULL)
-            b->reads[i].result = read_one(&b->reads[i], b->opt.direct, b->opt.nowait, &scratch);
+            b->reads[i].result = read_one(&b->reads[i], b->opt.direct, b->opt.nowait, scratch);
         else
-            b->writes[i].result = write_one(&b->writes[i], &b->opt, &scratch);
+            b->writes[i].result = write_one(&b->writes[i], &b->opt, scratch);
     }
-    free(scratch);
+}
+
+static Batch *open_batch(void) {
+    for (Batch *b = pool_queue; b != NULL; b = b->queued)
+        if (b->joined < b->helpers && __atomic_load_n(&b->next, __ATOMIC_RELAXED) < b->n)
+            return b;
     return NULL;
 }
 
-/* Called with the GIL released. Helper threads block every signal: Python's handlers are run by
- * the main thread, and a signal never interrupts a helper's system call. */
-static void run_batch(Batch *b, int threads) {
-    pthread_t tids[MAX_THREADS];
-    int started = 0;
-    if (threads > b->n)
-        threads = (int)b->n;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    if (threads > 1) {
-        sigset_t all, old;
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        for (int t = 1; t < threads; t++) {
-            if (pthread_create(&tids[started], NULL, worker, b) != 0)
-                break; /* fewer threads: the caller's thread still does every item left */
-            started++;
+static void *helper(void *arg) {
+    char *scratch = NULL; /* kept: the next batch may need it */
+    pthread_mutex_lock(&pool_mu);
+    for (;;) {
+        Batch *b = open_batch();
+        if (b == NULL) {
+            pthread_cond_wait(&pool_work, &pool_mu);
+            continue;
         }
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        b->joined++;
+        b->active++;
+        pthread_mutex_unlock(&pool_mu);
+        work(b, &scratch);
+        pthread_mutex_lock(&pool_mu);
+        if (--b->active == 0)
+            pthread_cond_broadcast(&pool_done);
     }
-    worker(b);
-    for (int t = 0; t < started; t++)
-        pthread_join(tids[t], NULL);
+    return NULL;
+}
+
+/* Start helpers until there are `want` (fewer if the system refuses); called under pool_mu.
+ * Helpers block every signal: Python's handlers run in the main thread, and a signal never
+ * interrupts a helper's system call. */
+static void pool_grow(int want) {
+    if (pool_size >= want)
+        return;
+    sigset_t all, old;
+    pthread_attr_t attr;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 1 << 20);
+    while (pool_size < want) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, helper, NULL) != 0)
+            break; /* fewer helpers: the caller's thread still does every item left */
+        pool_size++;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_size = 0;
+    pool_queue = NULL;
+}
+
+/* Called with the GIL released. */
+static void run_batch(Batch *b, int threads) {
+    char *scratch = NULL;
+    b->helpers = (int)(threads - 1 < b->n - 1 ? threads - 1 : b->n - 1);
+    if (b->helpers > 0) {
+        pthread_mutex_lock(&pool_mu);
+        pool_grow(b->helpers);
+        b->queued = pool_queue;
+        pool_queue = b;
+        pthread_cond_broadcast(&pool_work);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    work(b, &scratch);
+    free(scratch);
+    if (b->helpers > 0) {
+        pthread_mutex_lock(&pool_mu);
+        for (Batch **p = &pool_queue; *p != NULL; p = &(*p)->queued) {
+            if (*p == b) {
+                *p = b->queued;
+                break;
+            }
+        }
+        while (b->active > 0)
+            pthread_cond_wait(&pool_done, &pool_mu);
+        pthread_mutex_unlock(&pool_mu);
+    }
 }
 
 /* ---- arguments -------------------------------------------------------------------------------- */
@@ -726,6 +797,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__batchio(void) {
+    static int forked = 0;
+    if (!forked) {
+        if (pthread_atfork(NULL, NULL, pool_after_fork) != 0)
+            return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
+        forked = 1;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
