@@ -1,0 +1,14 @@
+"""Types of the C module built from tierkv/_batchio.c (tierkv.backends.batchio documents it)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+ALIGN: int
+CHUNK_BYTES: int
+MAX_THREADS: int
+
+def read_batch(paths: Sequence[Any], bufs: Sequence[Any], direct: bool = ..., nowait: bool = ...,
+               threads: int = ...) -> list[int]: ...
+def write_batch(items: Sequence[tuple[Any, Any, Any]], fsync: bool = ..., mode: int = ..., direct: bool = ...,
+                direct_min: int = ..., dir_mode: int | None = ...,
+                threads: int = ...) -> tuple[list[int], int, int]: ...
