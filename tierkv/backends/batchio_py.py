@@ -284,28 +284,40 @@ def _check_threads(threads: int) -> None:
 
 
 def _run(n: int, threads: int, one: Callable[[int], int]) -> list[int]:
-    """``one(i)`` for every item, on the caller's thread and up to ``threads - 1`` more."""
+    """``one(i)`` for every item, on up to ``threads`` threads of its own: an interrupt reaches the
+    caller's thread, never one in the middle of an item (a temporary file is always removed or
+    renamed), and stops items from starting while those started end."""
     results = [0] * n
     taken = itertools.count()  # next() on a count is atomic under the GIL
     stop = [False]
+    failed: list[BaseException] = []
 
     def work() -> None:
-        for i in taken:
-            if i >= n or stop[0]:
-                return
-            results[i] = one(i)
+        try:
+            for i in taken:
+                if i >= n or stop[0]:
+                    return
+                results[i] = one(i)
+        except BaseException as exc:  # handed to the caller
+            stop[0] = True
+            failed.append(exc)
 
-    helpers = [threading.Thread(target=work, daemon=True) for _ in range(min(threads, n) - 1)]
-    for t in helpers:
-        t.start()
+    helpers = [threading.Thread(target=work, daemon=True) for _ in range(min(threads, n))]
+    started: list[threading.Thread] = []
     try:
-        work()
-    except BaseException:  # an interrupt: the items already started end, no other starts
-        stop[0] = True
-        raise
-    finally:
         for t in helpers:
+            t.start()
+            started.append(t)
+        for t in started:
             t.join()
+    except BaseException:  # an interrupt (it may land while a thread starts): wait for those running
+        stop[0] = True
+        for t in helpers:
+            if t.ident is not None:
+                t.join()
+        raise
+    if failed:
+        raise failed[0]
     return results
 
 
