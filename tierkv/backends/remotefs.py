@@ -211,6 +211,9 @@ class RequestDriver(Driver):
                 except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
                     results[i] = detach(exc)
             if then is not None:
+                # let the request this one's slot went to start first: its client's work (obstore:
+                # all of it, on its own threads) then overlaps this result's check on the loop
+                await asyncio.sleep(0)
                 try:
                     results[i] = then(i, results[i])
                 except Exception as exc:  # that item's error: the other requests go on
