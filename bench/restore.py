@@ -154,7 +154,9 @@ async def restore(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor,
             firsts.append(time.perf_counter() - a)
             store.release(f"new{i}")
         store.release("r")
+        probes = store.stats().tiers[1].probes  # presence checks of the lower tier (S3: HEADs)
     return {"restore_s": t2 - t0, "lookup_phase_s": t1 - t0, "get_s": t2 - t1, "polls": polls,
+            "tier_probes": probes,
             "resident_get_s": t4 - t3, "lookup_first_ms": (t6 - t5) * 1e3,
             "lookup_new_ms": statistics.median(firsts) * 1e3,
             "lookup_again_ms": statistics.median(again) * 1e3, "lookup_keys": len(k)}
@@ -341,7 +343,7 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
         "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
         "ratio_restore_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["restore_s"] for r in rounds),
         "ratio_borrow_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["borrow_s"] for r in rounds),
-        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"],
+        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"], "tier_probes": med["tier_probes"],
     }
     if "raw_obstore_s" in med:
         out_r["raw_obstore_mb_s"] = total / med["raw_obstore_s"] / 1e6
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to the fastest "
                           f"raw client {r['ratio_restore_vs_fastest_raw']:.2f} / "
                           f"{r['ratio_borrow_vs_fastest_raw']:.2f} (lookups until "
-                          f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s)", flush=True)
+                          f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s; "
+                          f"{r['tier_probes']:.0f} presence probes of the tier)", flush=True)
             finally:
                 server.close()
         for kib in (int(x) for x in args.block_kib.split(",") if "file" in urls):
