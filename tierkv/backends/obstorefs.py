@@ -23,6 +23,7 @@ and the tier's up/down decisions are the same. obstore's own retries are off: ti
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import html
 import importlib
@@ -305,14 +306,16 @@ class ObstoreDriver(RequestDriver):
         async def touch(path: str) -> None:
             key = self._key(path)
             tmp = self._key(temp_name(path))
+            await self._call(self.obs.copy_async, key, tmp)
             try:
-                await self._call(self.obs.copy_async, key, tmp)
                 await self._call(self.obs.copy_async, tmp, key)
-            finally:
-                try:
+            except Exception:
+                with contextlib.suppress(Exception):
                     await self._call(self.obs.delete_async, tmp)
-                except Exception:  # left to the background scan, which removes stale temporaries
-                    pass
+                raise
+            # a temporary left behind (this delete failed, or the deadline cut the touch short) is
+            # removed by the background scan, as any stale temporary is
+            await self._call(self.obs.delete_async, tmp)
 
         await self._gather(touch, [(p,) for p in paths])
 
