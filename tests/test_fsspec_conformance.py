@@ -9,6 +9,7 @@ from typing import Any
 
 import fsspec
 import pytest
+from s3clients import CLIENTS
 from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 
 from tierkv.backends.base import Tier
@@ -82,18 +83,19 @@ class TestFsspecMemory(TierTests):
 
 
 class TestFsspecS3(TierTests):
-    """``s3://`` URLs through async s3fs against moto's HTTP server."""
+    """``s3://`` URLs against moto's HTTP server, once per client (``s3_client``: obstore, s3fs)."""
 
     kind = "fsspec"
 
-    @pytest.fixture(autouse=True)
-    def _bucket(self, s3_endpoint: str) -> None:
+    @pytest.fixture(autouse=True, params=CLIENTS)
+    def _bucket(self, s3_endpoint: str, request: pytest.FixtureRequest) -> None:
         self.endpoint = s3_endpoint
         self.bucket = new_bucket(s3_endpoint)
+        self.client = request.param
 
     def tier_config(self) -> dict[str, Any]:
         return {"kind": "fsspec", "url": f"s3://{self.bucket}/kv", "codec": "none",
-                "storage_options": storage_options(self.endpoint)}
+                "storage_options": storage_options(self.endpoint), "s3_client": self.client}
 
     def _object(self, tier: Tier, key: bytes) -> str:
         assert isinstance(tier, FsspecTier)

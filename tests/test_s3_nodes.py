@@ -1,5 +1,6 @@
 """Several nodes (processes, each with its own TieredStore and CPU pool) sharing one fsspec tier:
-one SeaweedFS bucket, or one local directory. The nodes run ``tests/s3_node.py``.
+one SeaweedFS bucket (through each S3 client: obstore, s3fs), or one local directory. The nodes
+run ``tests/s3_node.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 import pytest
 import test_fsspec_process as process_tests
 from crash_writer import FULL, hash_of, store_layout
+from s3clients import CLIENTS
 from seaweed import seaweed
 
+from tierkv.backends.obstorefs import ENV_CLIENT
 from tierkv.keys import make_key
 from tierkv.record import encode_record
 
@@ -49,12 +52,13 @@ def _dir_records(root: Path) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(params=["file", "s3"])
-def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Shared:
+@pytest.fixture(params=["file", *(f"s3-{c}" for c in CLIENTS)])
+def shared(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Shared:
     if request.param == "file":
         root = tmp_path / "shared"
         root.mkdir()
         return Shared(f"file://{root}", {}, lambda: _dir_records(root))
+    monkeypatch.setenv(ENV_CLIENT, request.param.removeprefix("s3-"))  # the nodes inherit it
     server = request.getfixturevalue("seaweed")
     bucket = server.new_bucket()
 

@@ -10,6 +10,8 @@ Three parts:
 3. what a mock hides, through tierkv's public API: listings of more than one page, a record above
    s3fs's multipart threshold, a server killed and restarted under a running store, and a missing
    bucket or wrong credentials at ``open()``.
+
+Every test runs once per S3 client (``s3clients``: obstore and s3fs).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import test_fsspec_cli as cli_tests
 import test_fsspec_conformance as conformance_tests
 import test_fsspec_tier as tier_tests
 import torch
+from s3clients import s3_client
 from seaweed import COMPAT_CREDENTIALS, SeaweedServer, seaweed
 from test_fsspec_tier import logs
 
@@ -43,7 +46,10 @@ from tierkv.keys import make_key
 from tierkv.testing import TierTests, conformance_layout
 from tierkv.tools.audit import inspect_tier
 
-__all__ = ["logs", "seaweed"]  # fixtures, imported for this module
+__all__ = ["logs", "s3_client", "seaweed"]  # fixtures, imported for this module
+
+#: every test here runs on both S3 clients (obstore and s3fs)
+pytestmark = pytest.mark.usefixtures("s3_client")
 
 LAYOUT = conformance_layout()
 FULL, REC = 0, 2
@@ -370,6 +376,7 @@ async def test_missing_bucket_or_wrong_credentials_fail_at_open_with_a_clear_err
     message = str(exc.value)
     assert f"s3://{bucket}/kv" in message, message  # which tier, without user info
     assert "opening the tier" in message, message
+    assert seaweed.endpoint_url in message, message  # which server
     if case == "missing-bucket":
         assert "bucket" in message.lower() and ("not exist" in message or "NoSuchBucket" in message), message
     else:

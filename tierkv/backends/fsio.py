@@ -170,7 +170,12 @@ def temp_owner_alive(name: str) -> bool | None:
 
 
 class Driver:
-    """What the fsspec tier needs from a file system. Paths are absolute, ``/``-separated."""
+    """What the fsspec tier needs from a file system. Paths are absolute, ``/``-separated.
+
+    ``client`` names the library that does the I/O (``obstore``, ``s3fs``, ``fsspec``...).
+    """
+
+    client = "fsspec"
 
     def __init__(self, limiter: anyio.CapacityLimiter) -> None:
         self.limiter = limiter

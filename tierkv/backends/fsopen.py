@@ -12,6 +12,7 @@ import anyio
 
 from tierkv.backends.fsio import Driver
 from tierkv.backends.localfs import LocalDriver
+from tierkv.backends.obstorefs import open_obstore
 from tierkv.backends.redact import redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
@@ -98,6 +99,16 @@ def check_storage_options(protocol: str, cls: type | None, options: dict[str, An
                           f"{', '.join(sorted(known))})")
 
 
+def _bucket(url: str) -> str:
+    return urlsplit(url).netloc
+
+
+def _bucket_path(url: str) -> str:
+    """``bucket/prefix`` of an S3 URL (as s3fs names paths)."""
+    parts = urlsplit(url)
+    return (parts.netloc + parts.path).rstrip("/")
+
+
 def is_local_url(url: str) -> bool:
     """Whether ``url`` names this machine's file system (a plain path, ``file://``, ``local://``)."""
     return (urlsplit(url).scheme or "file") in ("file", "local")
@@ -123,7 +134,8 @@ S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "st
 def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
                 threads: int | None, fsync: bool, depth: int = 16,
                 retry: RetryPolicy | None = None, direct_io: bool | str = False,
-                read_processes: int | str = 0, file_mode: int = 0o600) -> tuple[Driver, str]:
+                read_processes: int | str = 0, file_mode: int = 0o600,
+                s3_client: str = "auto") -> tuple[Driver, str]:
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
@@ -134,6 +146,9 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
+
+    ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: obstore where it is
+    installed and takes every option, see :func:`~tierkv.backends.obstorefs.open_obstore`).
     """
     parts = urlsplit(url)
     protocol = parts.scheme or "file"
@@ -150,17 +165,28 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         return driver, root.rstrip("/") or "/"
     import fsspec
 
+    s3 = protocol in ("s3", "s3a")
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
         extra = EXTRA_FOR_PROTOCOL.get(protocol)
         hint = f"; install it with: {install_hint(extra)}" if extra else ""
-        raise BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}") from None
+        missing = BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}")
+        if not s3:
+            raise missing from None
+        obs = open_obstore(_bucket(url), storage_options, limiter, retry, s3_client, s3fs_missing=True)
+        if obs is None:  # s3_client: s3fs
+            raise missing from None
+        return obs, _bucket_path(url)
+    if s3:
+        check_storage_options(protocol, cls, {k: v for k, v in storage_options.items() if k != "retries"})
+        obs = open_obstore(_bucket(url), storage_options, limiter, retry, s3_client, s3fs_missing=False)
+        if obs is not None:
+            return obs, _bucket_path(url)
     try:
         from_url = cls._get_kwargs_from_urls(url)
     except Exception:
         from_url = {}
-    s3 = protocol in ("s3", "s3a")
     options = {**from_url, **storage_options}
     retries = options.pop("retries", None) if s3 else None  # s3fs's own retry loop: an attribute
     check_storage_options(protocol, cls, {k: v for k, v in storage_options.items()

@@ -165,7 +165,7 @@ class FsspecTier(Tier):
                                 timeout_s=cfg.request_timeout_s)
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
                                                   cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
-                                                  cfg.read_processes, cfg.file_mode)
+                                                  cfg.read_processes, cfg.file_mode, cfg.s3_client)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await self._write_manifest()

@@ -25,7 +25,7 @@ from tierkv.backends.fsio import (
     temp_name,
 )
 
-__all__ = ["AsyncDriver", "RetryPolicy", "SyncDriver", "transient"]
+__all__ = ["AsyncDriver", "RequestDriver", "RetryPolicy", "SyncDriver", "transient"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -155,23 +155,25 @@ class _AnyioDeadline:
         return self.scope.__exit__(*exc)
 
 
-class AsyncDriver(Driver):
-    """An asynchronous fsspec file system (s3fs): concurrent requests, one PUT per record.
-
-    Each request has a deadline and transient failures (503 SlowDown, a 500, a dropped or refused
-    connection, a timeout) are retried with jittered backoff within :class:`RetryPolicy`'s bounds,
-    then returned as that request's error: the gateway counts it, nothing hangs.
+class RequestDriver(Driver):
+    """What every object store driver shares: concurrent requests, each with a deadline, transient
+    failures (503 SlowDown, a 500, a dropped or refused connection, a timeout) retried with
+    jittered backoff within :class:`RetryPolicy`'s bounds, then returned as that request's error:
+    the gateway counts it, nothing hangs.
     """
 
-    def __init__(self, limiter: anyio.CapacityLimiter, fs: Any, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, limiter: anyio.CapacityLimiter, retry: RetryPolicy | None = None) -> None:
         super().__init__(limiter)
-        self.fs = fs
         self.retry = retry or RetryPolicy()
         self.retries = 0
 
     def counts(self) -> dict[str, int]:
-        """``retries``: requests tried again after a transient failure."""
-        return {"retries": self.retries} if self.retries else {}
+        """``retries``: requests tried again after a transient failure; ``client_<name>``: 1, the
+        library that sends this tier's requests (``client_s3fs``, ``client_obstore``, ...)."""
+        out = {f"client_{self.client}": 1}
+        if self.retries:
+            out["retries"] = self.retries
+        return out
 
     async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         policy = self.retry
@@ -209,6 +211,9 @@ class AsyncDriver(Driver):
                 except Exception as exc:  # botocore / aiohttp errors are not all OSErrors
                     results[i] = detach(exc)
             if then is not None:
+                # let the request this one's slot went to start first: its client's work (obstore:
+                # all of it, on its own threads) then overlaps this result's check on the loop
+                await asyncio.sleep(0)
                 try:
                     results[i] = then(i, results[i])
                 except Exception as exc:  # that item's error: the other requests go on
@@ -218,12 +223,13 @@ class AsyncDriver(Driver):
         await asyncio.gather(*(one(i) for i in range(len(args))))
         return results
 
+    # -- what every object store does with its PUT and its GET -----------------------------------
     async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
         """One PUT per record: an object appears whole or not at all."""
 
         async def put(path: str, data: bytes | list[Any]) -> None:
             blob = data if isinstance(data, bytes) else b"".join(data)
-            await self.fs._pipe_file(path, blob)
+            await self._put(path, blob)
 
         return await self._gather(put, list(items), absent_ok=False)
 
@@ -246,7 +252,7 @@ class AsyncDriver(Driver):
                     return
                 blob = blobs[i] = b"".join(parts)  # pieces may view scratch
                 sizes[i] = len(blob)
-            await self.fs._pipe_file(paths[i], blob)
+            await self._put(paths[i], blob)
             del blobs[i]
 
         errors = await self._gather(put, [(i,) for i in range(len(paths))], absent_ok=False)
@@ -270,7 +276,29 @@ class AsyncDriver(Driver):
 
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Ranged GETs of at most ``limit + 1`` bytes."""
-        return await self._gather(self._cat(limit), [(p,) for p in paths])
+        got = await self._gather(self._cat(limit), [(p,) for p in paths])
+        return [d if d is None or isinstance(d, bytes | BaseException) else bytes(d) for d in got]
+
+    async def _put(self, path: str, blob: bytes) -> None:
+        """One PUT of a whole object."""
+        raise NotImplementedError
+
+    def _cat(self, limit: int) -> Callable[[str], Awaitable[Any]]:
+        """One ranged GET of at most ``limit + 1`` bytes (bytes, or an object with the buffer
+        protocol)."""
+        raise NotImplementedError
+
+
+class AsyncDriver(RequestDriver):
+    """An asynchronous fsspec file system (s3fs): concurrent requests, one PUT per record."""
+
+    def __init__(self, limiter: anyio.CapacityLimiter, fs: Any, retry: RetryPolicy | None = None) -> None:
+        super().__init__(limiter, retry)
+        self.fs = fs
+        self.client = type(fs).__module__.partition(".")[0] or "fsspec"
+
+    async def _put(self, path: str, blob: bytes) -> None:
+        await self.fs._pipe_file(path, blob)
 
     def _cat(self, limit: int) -> Callable[[str], Awaitable[bytes]]:
         """One ranged GET of at most ``limit + 1`` bytes."""

@@ -72,6 +72,8 @@ def _inspect(args: argparse.Namespace) -> int:
     others = len(report.other_files) + sum(ns.other_files for ns in report.namespaces)
     out.print(f"{report.url}: {len(report.namespaces)} namespace(s), {report.temp_files} temporary file(s), "
               f"{others} other file(s)")
+    if report.client:
+        out.print(f"client: {report.client}")
     if report.features:
         f = report.features
         reads = ("page cache first (RWF_NOWAIT), reader processes possible" if f.get("page_cache_reads")

@@ -147,6 +147,9 @@ class InspectReport:
     #: what the root's file system does, as the store probes it (local paths: ``page_cache_reads``,
     #: whether it reads only what the page cache holds, ``RWF_NOWAIT``; empty elsewhere)
     features: dict[str, bool] = field(default_factory=dict)
+    #: the library that sent the requests: ``obstore`` or ``s3fs`` (``s3://``), ``os`` (local
+    #: paths), else the fsspec file system's package
+    client: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``tierkv inspect --json``)."""
@@ -159,7 +162,8 @@ class InspectReport:
                         "codec_ratio": ns.codec_ratio, "temp_files": ns.temp_files,
                         "other_files": ns.other_files, "groups": groups})
         return {"url": self.url, "namespaces": out, "temp_files": self.temp_files,
-                "other_files": self.other_files, "hint": self.hint, "features": self.features}
+                "other_files": self.other_files, "hint": self.hint, "features": self.features,
+                "client": self.client}
 
 
 @dataclass
@@ -359,7 +363,8 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
         report = InspectReport(url=redact_url(url), temp_files=len(listing.temps),
                                hint=_hint(url, root, listing),
                                other_files=[rel for rel, fp in listing.other if fp is None],
-                               features=await _features(driver, root))
+                               features=await _features(driver, root),
+                               client="os" if isinstance(driver, LocalDriver) else driver.client)
         for fp in listing.fingerprints():
             man = await _manifest(driver, listing.manifests.get(fp), fp)
             ns = NamespaceReport(fingerprint=fp, namespace=man.namespace, layout=man.layout_json,
