@@ -114,6 +114,7 @@ EXTRAS = {
     "s3": "s3fs>=2024.6",
     "metrics": "prometheus-client>=0.20",
     "plot": "matplotlib>=3.7",
+    "encrypt": "cryptography>=42",
 }
 
 
