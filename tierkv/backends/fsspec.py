@@ -17,6 +17,13 @@ and, once the background scan has run, every record there, oldest first by modif
 deletes the least recently used past ``capacity_bytes``. Processes sharing one directory or bucket
 each bound what they know; a record another process deleted is a miss, never an error.
 
+Encryption at rest (``encryption_key_file``): every record written is sealed with the tier's
+:class:`~tierkv.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
+that does not authenticate is damaged (counted, removed); one sealed by a key this store does not
+hold, or an unencrypted one with ``read_unencrypted`` off, is a miss counted apart
+(``encrypted_misses``, ``unencrypted_misses``), said once and left in place: it may be another
+tenant's. Encrypted records are read by the tier's threads, never by reader processes.
+
 Credentials (URL user info, secret ``storage_options``) never appear in ``repr``, ``describe()``,
 logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :class:`Redactor`).
 """
