@@ -456,3 +456,26 @@ async def test_verify_checks_authenticity_with_the_key_and_structure_without(
     assert await cli("inspect", url, "--json") == 0
     group = json.loads(capsys.readouterr().out)["namespaces"][0]["groups"][FULL]
     assert group["encrypted"] == 3 and group["key_ids"] == {key_id(load_key_file(str(path))).hex(): 3}
+
+
+async def test_encrypted_records_into_shared_memory_are_read_by_threads(tmp_path: Path) -> None:
+    """Reader processes verify unencrypted records only: an encrypted tier reading into a pool in
+    shared memory reads in its threads, and every row holds the stored block."""
+    from tierkv.pool import plan_pools, shared_pool_tensors
+
+    path, _ = key_file(tmp_path)
+    lay = STORE_LAYOUT
+    context = TierContext(layout=lay, namespace=NS, fingerprint=lay.fingerprint(NS))
+    cfg = FsspecTierConfig(url=f"file://{tmp_path}/kv", encryption_key_file=str(path), read_processes=2)
+    ks, data = [make_key(i.to_bytes(32, "big"), 0) for i in range(8)], rand(8, seed=14)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan_pools(None, lay, 1, {0: 8}))[0]
+    t = FsspecTier(cfg, context)
+    await t.open()
+    try:
+        assert await t.put(0, ks, data) == [True] * 8
+        assert await t.get(0, ks, pool) == [True] * 8
+        assert torch.equal(pool, data)
+        t.used_bytes()
+        assert not t.counters.get("reader_reads")
+    finally:
+        await t.close()
