@@ -150,6 +150,16 @@ def test_key_files_must_be_private_and_hold_one_key(tmp_path: Path) -> None:
         load_key_file(str(tmp_path))
 
 
+def test_without_cryptography_the_error_says_how_to_install_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    path, _ = key_file(tmp_path)
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    with pytest.raises(ConfigError, match=r"cryptography.*pip install 'cryptography>=42'.*\[encrypt\]"):
+        KeyRing.from_files(str(path))
+
+
 def test_settings_that_need_a_key_say_so(tmp_path: Path) -> None:
     def config(**fs: Any) -> None:
         StoreConfig(layout=STORE_LAYOUT, tiers=[{"kind": "cpu", "slots": {0: 4}},
