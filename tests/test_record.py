@@ -663,3 +663,41 @@ def test_examples_in_the_format_doc(codec: str, payload: bytes, golden: str) -> 
     assert encode_record(key=key, fingerprint=fp, payload=payload, codec=codec, elem_size=2) == expected
     decoded = decode_record(expected, key=key, fingerprint=fp, max_raw_bytes=len(payload))
     assert decoded.tobytes() == payload
+
+
+GOLDEN_SEALED = """
+89 54 4b 56 0d 0a 1a 0a 02 00 00 01 02 00 08 00 80 00 00 00 01 00 00 00 01 23 45 67 89 ab cd ef
+01 23 45 67 89 ab cd ef 0e 00 00 00 00 00 00 00 0e 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
+01 00 00 00 b7 a5 59 71 e9 98 cc 2b a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 aa ab 00 00 00 00 00 00 00 00
+00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
+8e 7d 10 41 2a e7 22 cb 0b 00 f5 b8 71 5b 71 56 a7 cb ab b6 bb 26 07 ef 81 c5 88 9b 53 7d 6f d6
+ac d6 d4 c0 ca 53
+"""
+
+
+def test_the_encrypted_example_in_the_format_doc(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    import tierkv.record as record
+    from tierkv.encryption import KeyRing
+
+    key = bytes.fromhex("0011223300000001")
+    fp = "0123456789abcdef0123456789abcdef"
+    aes_key = bytes(range(32))
+    expected = bytes.fromhex(GOLDEN_SEALED)
+    monkeypatch.setattr(record.os, "urandom", lambda n: bytes(range(0xA0, 0xA0 + n)))
+    ring = KeyRing(aes_key)
+    assert encode_record(key=key, fingerprint=fp, payload=b"hello, tierkv!", keys=ring) == expected
+    assert decode_record(expected, key=key, fingerprint=fp, max_raw_bytes=14, keys=ring).tobytes() == \
+        b"hello, tierkv!"
+    # as docs/format.md states it: key id, nonce, the header as associated data, the tag after the
+    # ciphertext, the checksum over everything before the trailer
+    header_len = SPEC_FIXED.unpack_from(expected)[7]
+    seal = expected[56 + 8:56 + 8 + 24]
+    assert seal[0] == 1 and seal[4:12] == hashlib.sha256(b"tierkv key id v1\x00" + aes_key).digest()[:8]
+    sealed = expected[header_len:-8]
+    plain = AESGCM(aes_key).decrypt(seal[12:24], sealed, expected[:header_len])
+    assert plain == b"hello, tierkv!"
+    assert struct.unpack("<Q", expected[-8:])[0] == xxhash.xxh3_64_intdigest(expected[:-8])

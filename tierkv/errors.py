@@ -115,6 +115,7 @@ EXTRAS = {
     "metrics": "prometheus-client>=0.20",
     "plot": "matplotlib>=3.7",
     "mooncake": "mooncake-transfer-engine-non-cuda>=0.3.13",
+    "encrypt": "cryptography>=42",
 }
 
 

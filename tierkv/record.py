@@ -22,12 +22,21 @@ Codecs:
     so the low plane is stored raw and costs nothing to decode. Bytes past the last whole element
     are stored raw after the planes.
 
+Encryption (a tier with a :class:`~tierkv.encryption.KeyRing`): flag bit 0 of the header marks a
+sealed record; a 24-byte seal block after the plane table names the cipher, the key id and the
+record's fresh 96-bit nonce; the payload is AES-256-GCM ciphertext of the codec's output and the
+16-byte GCM tag follows it, before the checksum. The associated data is the whole header, which
+holds the record's place (namespace fingerprint, block hash and group): a record copied to another
+place fails authentication. The checksum still covers every byte before it, so structure and
+checksum can be verified without the key.
+
 zstd contexts are not thread safe: each thread keeps its own, with scratch buffers, so records may
 be encoded and decoded from worker threads concurrently.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -38,6 +47,7 @@ import numpy.typing as npt
 import xxhash
 import zstandard
 
+from tierkv.encryption import KEY_ID_LEN, NONCE_LEN, KeyRing
 from tierkv.errors import CorruptRecord, InvalidArgument
 
 __all__ = [
@@ -47,9 +57,12 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_ALIGN",
     "MAGIC",
+    "FLAG_ENCRYPTED",
     "MAX_KEY_LEN",
     "MAX_RAW_LEN",
     "PLANE_ENTRY_LEN",
+    "SEAL_LEN",
+    "TAG_LEN",
     "TRAILER_LEN",
     "PlaneInfo",
     "RecordHeader",
@@ -60,6 +73,7 @@ __all__ = [
     "none_header",
     "none_parts_match",
     "read_header",
+    "sealed_none_open",
     "verify_record",
 ]
 
@@ -76,6 +90,13 @@ FIXED_HEADER_LEN: Final = 56
 HEADER_ALIGN: Final = 64
 PLANE_ENTRY_LEN: Final = 16
 TRAILER_LEN: Final = 8
+#: header flag: the payload is sealed (AES-256-GCM), a seal block follows the plane table
+FLAG_ENCRYPTED: Final = 1
+#: the seal block: cipher id, 3 reserved bytes, key id, nonce
+SEAL_LEN: Final = 24
+#: the GCM tag after a sealed payload
+TAG_LEN: Final = 16
+_CIPHER_AES256_GCM: Final = 1
 #: No block is larger than this (1 TiB); a header claiming more is corrupt whatever the caller's bound.
 MAX_RAW_LEN: Final = 1 << 40
 MAX_KEY_LEN: Final = 0xFFFF
@@ -90,6 +111,8 @@ _FIXED: Final = struct.Struct("<8sHBBBBHII16sQQ")
 # stored length, mode, 7 reserved bytes (zero)
 _PLANE: Final = struct.Struct("<QB7s")
 _TRAILER: Final = struct.Struct("<Q")
+# cipher id, 3 reserved bytes (zero), key id, nonce
+_SEAL: Final = struct.Struct("<B3s8s12s")
 _RESERVED_PLANE: Final = bytes(7)
 
 #: A compressed plane is kept only if it is at most this fraction of the raw plane.
@@ -101,7 +124,7 @@ _SCRATCH_KEEP: Final = 8 << 20
 _ZSTD_BLOCK: Final = 128 << 10
 _HEX_DIGITS: Final = frozenset("0123456789abcdef")
 
-assert _FIXED.size == FIXED_HEADER_LEN and _PLANE.size == PLANE_ENTRY_LEN
+assert _FIXED.size == FIXED_HEADER_LEN and _PLANE.size == PLANE_ENTRY_LEN and _SEAL.size == SEAL_LEN
 
 U8Array = npt.NDArray[np.uint8]
 
@@ -137,11 +160,25 @@ class RecordHeader:
     checksum_algorithm: str = "xxh3_64"
     planes: tuple[PlaneInfo, ...] = ()
     """Byte planes in payload order (``zstd-shuffle`` only)."""
+    key_id: bytes | None = None
+    """The id of the key that sealed the record (None: not encrypted)."""
+    nonce: bytes = b""
+    """The sealed record's GCM nonce."""
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether the payload is sealed (AES-256-GCM)."""
+        return self.key_id is not None
+
+    @property
+    def sealed_len(self) -> int:
+        """Bytes between header and checksum: the payload, and the tag of a sealed record."""
+        return self.stored_len + (TAG_LEN if self.encrypted else 0)
 
     @property
     def record_len(self) -> int:
-        """Total length of the record: header, payload and trailer."""
-        return self.header_len + self.stored_len + TRAILER_LEN
+        """Total length of the record: header, payload, tag (sealed records) and trailer."""
+        return self.header_len + self.sealed_len + TRAILER_LEN
 
     @property
     def tail_len(self) -> int:
@@ -210,9 +247,9 @@ def _zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((_ZSTD_BLOCK - n) >> 11) if n < _ZSTD_BLOCK else 0)
 
 
-def header_len_for(key_len: int, plane_count: int) -> int:
+def header_len_for(key_len: int, plane_count: int, encrypted: bool = False) -> int:
     """The header length of a record with this key length and plane count (padding included)."""
-    unpadded = FIXED_HEADER_LEN + key_len + plane_count * PLANE_ENTRY_LEN
+    unpadded = FIXED_HEADER_LEN + key_len + plane_count * PLANE_ENTRY_LEN + (SEAL_LEN if encrypted else 0)
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -309,10 +346,11 @@ def encode_record(
     codec: str = "none",
     elem_size: int = 2,
     level: int = 1,
+    keys: KeyRing | None = None,
 ) -> bytes:
     """Encode one block as a record: :func:`encode_record_parts` joined into one ``bytes``."""
     return b"".join(encode_record_parts(key=key, fingerprint=fingerprint, payload=payload, codec=codec,
-                                        elem_size=elem_size, level=level))
+                                        elem_size=elem_size, level=level, keys=keys))
 
 
 def encode_record_parts(
@@ -323,8 +361,12 @@ def encode_record_parts(
     codec: str = "none",
     elem_size: int = 2,
     level: int = 1,
+    keys: KeyRing | None = None,
 ) -> list[bytes | memoryview]:
     """Encode one block as a record, in pieces whose concatenation is the record.
+
+    With ``keys`` the record is sealed with the ring's current key (AES-256-GCM, a fresh random
+    nonce, the header as associated data); the sealed payload is in this thread's scratch.
 
     Nothing is copied: for ``none`` the payload piece is a view of ``payload`` itself, so a writer
     hands the pieces to ``os.writev`` (or joins them once). The views are valid as long as
@@ -382,7 +424,7 @@ def encode_record_parts(
         pieces.append(src[n * elem_size :].data)
 
     stored_len = sum(len(p) for p in pieces)
-    header_len = header_len_for(len(key), plane_count)
+    header_len = header_len_for(len(key), plane_count, keys is not None)
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -392,26 +434,69 @@ def encode_record_parts(
         plane_count,
         len(key),
         header_len,
-        0,
+        0 if keys is None else FLAG_ENCRYPTED,
         fp,
         raw_len,
         stored_len,
     )
+    seal = b""
+    if keys is not None:
+        nonce = os.urandom(NONCE_LEN)
+        seal = _SEAL.pack(_CIPHER_AES256_GCM, bytes(3), keys.current_id, nonce)
+    pad = header_len - FIXED_HEADER_LEN - len(key) - len(table) - len(seal)
+    head = fixed + key + table + seal + bytes(pad)
+    if keys is not None:
+        plain = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        sealed = _scratch("sealed", stored_len + TAG_LEN)
+        keys.seal_into(nonce, plain, head, sealed)
+        pieces = [sealed.data]
     digest = xxhash.xxh3_64()
-    head = fixed + key + table + bytes(header_len - FIXED_HEADER_LEN - len(key) - len(table))
     digest.update(head)
     for part in pieces:
         digest.update(part)
     return [head, *pieces, _TRAILER.pack(digest.intdigest())]
 
 
-def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 2) -> bytes:
-    """The exact header (key and padding included) :func:`encode_record` writes for a ``none`` record."""
+def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 2,
+                key_id: bytes | None = None) -> bytes:
+    """The exact header (key and padding included) :func:`encode_record` writes for a ``none`` record.
+
+    With ``key_id``: the header of a record sealed by that key, with an all-zero nonce (each
+    record has its own; :func:`sealed_none_open` compares everything else).
+    """
     key = _key_bytes(key)
-    header_len = header_len_for(len(key), 0)
+    header_len = header_len_for(len(key), 0, key_id is not None)
+    seal = b"" if key_id is None else _SEAL.pack(_CIPHER_AES256_GCM, bytes(3), key_id, bytes(NONCE_LEN))
     return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODEC_NONE, _CHECKSUM_XXH3_64, elem_size, 0, len(key),
-                       header_len, 0, _fingerprint_bytes(fingerprint), raw_len,
-                       raw_len) + key + bytes(header_len - FIXED_HEADER_LEN - len(key))
+                       header_len, 0 if key_id is None else FLAG_ENCRYPTED, _fingerprint_bytes(fingerprint),
+                       raw_len, raw_len) + key + seal + bytes(header_len - FIXED_HEADER_LEN - len(key)
+                                                              - len(seal))
+
+
+def sealed_none_open(expected_header: bytes, head: bytes | bytearray, sealed: Any, tail: bytes | bytearray,
+                     nread: int, keys: KeyRing, out: Any) -> bool:
+    """Whether a sealed ``none`` record read in pieces (header, ciphertext and tag, trailer) is
+    exactly the one expected and authenticates; its block is then in ``out``.
+
+    ``expected_header`` is :func:`none_header` with the ring's key id; ``sealed`` received the
+    ciphertext and tag, ``tail`` the trailer and a spare byte. Every header byte but the nonce
+    must match, then GCM's tag (over the header as read). The checksum is not computed here: the
+    tag covers every byte it does (header, ciphertext, and the tag itself by comparison), and a
+    reader with the key spends its time on the decryption. False means: read the record whole and
+    decode it (:func:`decode_record` checks the checksum too and tells why it fails, or opens a
+    record of an older key); ``out`` may then hold bytes that must not be used.
+    """
+    if nread != len(head) + memoryview(sealed).nbytes + TRAILER_LEN:
+        return False
+    at = FIXED_HEADER_LEN + int.from_bytes(expected_header[14:16], "little") + 12
+    if head[:at] != expected_header[:at] or head[at + NONCE_LEN:] != expected_header[at + NONCE_LEN:]:
+        return False
+    kid = expected_header[at - KEY_ID_LEN:at]
+    try:
+        keys.open_into(kid, bytes(head[at:at + NONCE_LEN]), sealed, head, out)
+    except CorruptRecord:
+        return False
+    return True
 
 
 def none_parts_match(expected_header: bytes, head: bytes | bytearray, payload: Any,
@@ -457,8 +542,9 @@ def _parse_header(view: memoryview) -> RecordHeader:
     ) = _FIXED.unpack_from(view, 0)
     if version != FORMAT_VERSION:
         raise CorruptRecord("version", f"format version {version}, this reader knows {FORMAT_VERSION}")
-    if flags != 0:
+    if flags & ~FLAG_ENCRYPTED:
         raise CorruptRecord("version", f"unknown header flags {flags:#x}")
+    encrypted = bool(flags & FLAG_ENCRYPTED)
     if codec_id >= len(CODECS):
         raise CorruptRecord("codec", f"unknown codec id {codec_id}")
     if checksum_id != _CHECKSUM_XXH3_64:
@@ -472,11 +558,18 @@ def _parse_header(view: memoryview) -> RecordHeader:
         )
     if key_len == 0:
         raise CorruptRecord("key", "empty key")
-    if header_len != header_len_for(key_len, plane_count):
+    if header_len != header_len_for(key_len, plane_count, encrypted):
         raise CorruptRecord("size", f"header length {header_len} does not match its key and plane table")
     if size < header_len:
         raise CorruptRecord("truncated", f"{size} bytes, the header is {header_len}")
-    padding = view[FIXED_HEADER_LEN + key_len + plane_count * PLANE_ENTRY_LEN : header_len]
+    seal_at = FIXED_HEADER_LEN + key_len + plane_count * PLANE_ENTRY_LEN
+    kid: bytes | None = None
+    nonce = b""
+    if encrypted:
+        cipher, reserved, kid, nonce = _SEAL.unpack_from(view, seal_at)
+        if cipher != _CIPHER_AES256_GCM or any(reserved):
+            raise CorruptRecord("version", f"unknown cipher id {cipher} or reserved seal bytes set")
+    padding = view[seal_at + (SEAL_LEN if encrypted else 0) : header_len]
     if any(padding):
         raise CorruptRecord("version", "header padding bytes are not zero")
     if raw_len > MAX_RAW_LEN:
@@ -516,6 +609,8 @@ def _parse_header(view: memoryview) -> RecordHeader:
         elem_size=elem_size,
         checksum_algorithm=CHECKSUM_ALGORITHMS[checksum_id],
         planes=tuple(planes),
+        key_id=kid,
+        nonce=nonce,
     )
 
 
@@ -540,7 +635,7 @@ def _check_record(view: memoryview, max_raw_bytes: int) -> RecordHeader:
         raise CorruptRecord("truncated", f"{len(view)} bytes, the header declares {header.record_len}")
     if len(view) > header.record_len:
         raise CorruptRecord("size", f"{len(view)} bytes, the header declares {header.record_len}")
-    end = header.header_len + header.stored_len
+    end = header.header_len + header.sealed_len
     (stored_digest,) = _TRAILER.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_digest:
         raise CorruptRecord("checksum", "xxh3_64 mismatch")
@@ -571,9 +666,8 @@ def _zstd_into(frame: memoryview, dst: U8Array) -> None:
         )
 
 
-def _decode_payload(view: memoryview, header: RecordHeader, dst: U8Array) -> None:
-    start = header.header_len
-    payload = view[start : start + header.stored_len]
+def _decode_payload(payload: memoryview, header: RecordHeader, dst: U8Array) -> None:
+    """Decode the (plain) payload into ``dst``."""
     if header.codec == "none":
         np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
     elif header.codec == "zstd":
@@ -609,6 +703,7 @@ def decode_record(
     fingerprint: str,
     max_raw_bytes: int,
     out: U8Array | None = None,
+    keys: KeyRing | None = None,
 ) -> U8Array:
     """Check a record completely and return its block.
 
@@ -619,7 +714,10 @@ def decode_record(
 
     ``out``, when given, is a writable C-contiguous uint8 array of exactly ``raw_len`` bytes (any
     shape); the block is decoded into it and ``out`` is returned. Otherwise a new uint8 array is
-    returned. Raises :class:`~tierkv.errors.CorruptRecord` on any failed check (``out``'s contents
+    returned. A sealed record needs ``keys`` holding its key id (else ``encrypted``: a record this
+    reader cannot open, not a damaged one) and must authenticate (else ``auth``); with ``keys``
+    whose ``accept_plain`` is False an unencrypted record is refused (``plaintext``). Raises
+    :class:`~tierkv.errors.CorruptRecord` on any failed check (``out``'s contents
     are then unspecified) and :class:`~tierkv.errors.InvalidArgument` for a bad ``out``,
     ``fingerprint`` or ``max_raw_bytes``.
     """
@@ -638,24 +736,52 @@ def decode_record(
         raise CorruptRecord("key", f"record holds key {header.key.hex()}, expected {key.hex()}")
     if header.fingerprint != fingerprint:
         raise CorruptRecord("fingerprint", f"record fingerprint {header.fingerprint}, expected {fingerprint}")
+    if header.encrypted:
+        if keys is None or header.key_id is None or not keys.holds(header.key_id):
+            raise CorruptRecord("encrypted", f"sealed with key id {(header.key_id or b'').hex()}, "
+                                             "which this reader does not hold")
+    elif keys is not None and not keys.accept_plain:
+        raise CorruptRecord("plaintext", "not encrypted, and this reader serves encrypted records only")
     if out is None:
         result: U8Array = np.empty(header.raw_len, dtype=np.uint8)
-        _decode_payload(view, header, result)
-        return result
-    if out.size != header.raw_len:
+    elif out.size != header.raw_len:
         raise CorruptRecord("size", f"raw length {header.raw_len}, out holds {out.size} bytes")
-    _decode_payload(view, header, out.reshape(-1))
-    return out
+    else:
+        result = out
+    _open_and_decode(view, header, keys, result.reshape(-1))
+    return result
 
 
-def verify_record(data: bytes | bytearray | memoryview, *, max_raw_bytes: int) -> RecordHeader:
+def _open_and_decode(view: memoryview, header: RecordHeader, keys: KeyRing | None, dst: U8Array) -> None:
+    """Decrypt (a sealed record, with a key ``keys`` holds) and decode the payload into ``dst``."""
+    start = header.header_len
+    if not header.encrypted:
+        _decode_payload(view[start : start + header.stored_len], header, dst)
+        return
+    assert keys is not None and header.key_id is not None
+    sealed = view[start : start + header.sealed_len]
+    if header.codec == "none":
+        keys.open_into(header.key_id, header.nonce, sealed, view[:start], dst)
+        return
+    plain = _scratch("opened", header.stored_len)
+    keys.open_into(header.key_id, header.nonce, sealed, view[:start], plain)
+    _decode_payload(plain.data, header, dst)
+
+
+def verify_record(data: bytes | bytearray | memoryview, *, max_raw_bytes: int,
+                  keys: KeyRing | None = None) -> RecordHeader:
     """Check a record completely (checksum and decoding included) without knowing its key.
 
-    Returns the header so that the caller (``tierkv verify``) can compare its key and fingerprint
-    with the record's path. Raises :class:`~tierkv.errors.CorruptRecord` like
-    :func:`decode_record`.
+    A sealed record is decrypted (authenticated) and decoded when ``keys`` holds its key id;
+    otherwise only its structure and checksum are checked (the header's ``key_id`` and the
+    caller's ring tell which). Returns the header so that the caller (``tierkv verify``) can
+    compare its key and fingerprint with the record's path. Raises
+    :class:`~tierkv.errors.CorruptRecord` like :func:`decode_record` (``auth``: a sealed record
+    that does not authenticate).
     """
     view = _record_view(data)
     header = _check_record(view, max_raw_bytes)
-    _decode_payload(view, header, np.empty(header.raw_len, dtype=np.uint8))
+    if header.encrypted and (keys is None or header.key_id is None or not keys.holds(header.key_id)):
+        return header
+    _open_and_decode(view, header, keys, np.empty(header.raw_len, dtype=np.uint8))
     return header

@@ -76,7 +76,8 @@ def main() -> None:
 
     extra = {"spec_name": "TierKVOffloadingSpec", "spec_module_path": "tierkv.adapters.vllm",
              "cpu_bytes_to_use": args.get("cpu_bytes", 64 << 20),
-             "tiers": [{"kind": "fsspec", "url": args["url"], "codec": args.get("codec", "zstd-shuffle")}],
+             "tiers": [{"kind": "fsspec", "url": args["url"], "codec": args.get("codec", "zstd-shuffle"),
+                        **args.get("tier", {})}],
              "namespace": "tests", "manifest_timeout_s": 30, "shm_dir": args.get("shm_dir", "/dev/shm")}
     extra.update(args.get("extra", {}))
     t0 = time.perf_counter()
@@ -91,8 +92,9 @@ def main() -> None:
                         detokenize=False, ignore_eos=True)
     ps = prompts(args.get("prompts", 1), args.get("prompt_len", 200), args.get("seed", 1234))
 
-    def run(tag: str) -> None:
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    def run(tag: str, salt: str | None = None) -> None:
+        salted = {} if salt is None else {"cache_salt": salt}
+        outs = llm.generate([{"prompt_token_ids": p, **salted} for p in ps], sp, use_tqdm=False)
         for i, out in enumerate(outs):
             c = out.outputs[0]
             lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])]
@@ -117,6 +119,9 @@ def main() -> None:
             llm.reset_prefix_cache()
         elif step == "rate":
             rate()
+        elif step.startswith("salt="):  # "salt=<cache_salt>:<tag>": the prompts with that cache_salt
+            salt, _, tag = step.removeprefix("salt=").partition(":")
+            run(tag, salt)
         else:
             run(step)
     llm.llm_engine.engine_core.shutdown()

@@ -17,6 +17,13 @@ and, once the background scan has run, every record there, oldest first by modif
 deletes the least recently used past ``capacity_bytes``. Processes sharing one directory or bucket
 each bound what they know; a record another process deleted is a miss, never an error.
 
+Encryption at rest (``encryption_key_file``): every record written is sealed with the tier's
+:class:`~tierkv.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
+that does not authenticate is damaged (counted, removed); one sealed by a key this store does not
+hold, or an unencrypted one with ``read_unencrypted`` off, is a miss counted apart
+(``encrypted_misses``, ``unencrypted_misses``), said once and left in place: it may be another
+tenant's. Encrypted records are read by the tier's threads, never by reader processes.
+
 Credentials (URL user info, secret ``storage_options``) never appear in ``repr``, ``describe()``,
 logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :class:`Redactor`).
 """
@@ -59,6 +66,7 @@ from tierkv.backends.namespace import (
 from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
 from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
+from tierkv.encryption import KeyRing
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable
 from tierkv.record import (
     encode_record_parts,
@@ -75,6 +83,8 @@ LISTED_KEYS_MAX = 1 << 18
 #: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
 #: not fatal (records already there stay readable)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+#: read verdicts of sound records this store may not serve, and the counter of each
+_NOT_OURS = {"encrypted": "encrypted_misses", "plaintext": "unencrypted_misses"}
 
 
 class FsspecTier(Tier):
@@ -107,6 +117,10 @@ class FsspecTier(Tier):
         self._list_now = anyio.Event()
         #: ``get`` calls in flight: the background listing gives way to them
         self._reading = 0
+        #: the encryption keys (``encryption_key_file``), loaded at open
+        self._ring: KeyRing | None = None
+        #: verdicts already logged once (records this store may not serve: ``encrypted``, ``plaintext``)
+        self._said: set[str] = set()
 
     def describe(self) -> str:
         """The URL without credentials."""
@@ -161,6 +175,9 @@ class FsspecTier(Tier):
         limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
         try:
             cfg = self.cfg
+            if cfg.encryption_key_file is not None:
+                self._ring = KeyRing.from_files(cfg.encryption_key_file, cfg.encryption_old_key_files,
+                                                cfg.read_unencrypted)
             retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
                                 timeout_s=cfg.request_timeout_s)
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
@@ -328,10 +345,11 @@ class FsspecTier(Tier):
         fp = self.context.fingerprint
         cap = cfg.capacity_bytes
         paths = [self.path(k) for k in keys]
+        ring = self._ring
 
         def encode(i: int) -> list[Any] | None:
             parts = encode_record_parts(key=keys[i], fingerprint=fp, payload=rows[i], codec=cfg.codec,
-                                        elem_size=cfg.elem_size, level=cfg.zstd_level)
+                                        elem_size=cfg.elem_size, level=cfg.zstd_level, keys=ring)
             if cap is not None and sum(memoryview(p).nbytes for p in parts) > cap:
                 return None  # a record larger than the whole tier is never written
             return parts
@@ -376,14 +394,17 @@ class FsspecTier(Tier):
         block_bytes = out.numel() * out.element_size() // max(1, len(keys))
         np_out = as_bytes(out, len(keys), block_bytes).numpy()
         fp = self.context.fingerprint
-        heads = none_heads(keys, fp, block_bytes, self.cfg.elem_size) if self.cfg.codec == "none" else {}
+        ring = self._ring
+        heads = (none_heads(keys, fp, block_bytes, self.cfg.elem_size,
+                            None if ring is None else ring.current_id)
+                 if self.cfg.codec == "none" else {})
         paths = [self.path(k) for k in keys]
 
         def job(i: int, src: RecordSource) -> int | str | None:
-            return read_into(keys[i], np_out[i], heads, src, fp)
+            return read_into(keys[i], np_out[i], heads, src, fp, ring)
 
-        inplace = None
-        if heads and self.driver.reads_in_place():
+        inplace = None  # reader processes verify unencrypted records only
+        if heads and ring is None and self.driver.reads_in_place():
             inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
         verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes,
                                                inplace)
@@ -402,6 +423,8 @@ class FsspecTier(Tier):
                 errors.append(v)
             elif v is None:
                 self._ledger.forget(path)
+            elif v in _NOT_OURS:
+                self._not_ours(v, k)
             else:
                 self.count("corrupt")
                 self.count(f"corrupt_{v}")
@@ -428,6 +451,24 @@ class FsspecTier(Tier):
         if learned:
             await self._evict()
         return found
+
+    def _not_ours(self, verdict: str, key: bytes) -> None:
+        """A sound record this store may not serve: a counted miss, left in place (it may be
+        another tenant's), said once per kind."""
+        name = _NOT_OURS[verdict]
+        self.count(name)
+        if verdict in self._said:
+            return
+        self._said.add(verdict)
+        if verdict == "plaintext":
+            why = "they are not encrypted and read_unencrypted is false"
+        elif self._ring is None:
+            why = "they are encrypted and this store has no encryption_key_file"
+        else:
+            why = ("they are encrypted with a key this store does not hold (another tenant's, or a "
+                   "retired key)")
+        log.warning("records in %s cannot be served: %s (first: %s); they are misses, counted as %s, "
+                    "and stay in place", self.describe(), why, key.hex(), name)
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Whether each record exists (a later ``get`` still verifies it).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from tierkv.backends.base import TierConfig
 from tierkv.backends.fsopen import url_problem
@@ -45,6 +45,17 @@ class FsspecTierConfig(TierConfig):
     #: its directories get the matching search bits (0o600 -> 0o700, 0o640 -> 0o750). Owner read
     #: and write are required; no execute bits. Default: owner only (a KV cache holds prompts)
     file_mode: int = Field(default=0o600, ge=0o600, le=0o666)
+    #: encryption at rest: a file holding a 256-bit key as 64 hex characters, not open to group or
+    #: others. Every record written is sealed with it (AES-256-GCM, bound to its place); records
+    #: sealed by a key this store does not hold are misses (counted, said once, left in place)
+    encryption_key_file: str | None = None
+    #: older keys still accepted for reading (rotation): records they sealed are served until
+    #: they are rewritten or evicted
+    encryption_old_key_files: list[str] = Field(default_factory=list)
+    #: with a key: whether unencrypted records (written before encryption was on) are still
+    #: served; False once they are gone, so that no one who can write to the storage can plant a
+    #: block this store would serve
+    read_unencrypted: bool = True
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
@@ -85,6 +96,15 @@ class FsspecTierConfig(TierConfig):
             raise ValueError(f"{oct(v)}: owner read and write are needed, execute bits are not allowed "
                              "(directories get them from the read bits)")
         return v
+
+    @model_validator(mode="after")
+    def _keys_need_a_key(self) -> FsspecTierConfig:
+        if self.encryption_key_file is None and self.encryption_old_key_files:
+            raise ValueError("encryption_old_key_files needs encryption_key_file (the key records are "
+                             "written with)")
+        if self.encryption_key_file is None and not self.read_unencrypted:
+            raise ValueError("read_unencrypted: false needs encryption_key_file")
+        return self
 
     @field_validator("url")
     @classmethod

@@ -7,8 +7,9 @@ rows a tier reads into lie in a shared file mapping (:mod:`tierkv.sharedmem`: th
 adapter's pool, a ``cpu`` tier with ``shm_path``), helper processes with their own GIL map the
 same file and read there instead.
 
-A helper reads only what the page cache holds (``RWF_NOWAIT``) and only ``none`` records it can
-verify in place (:func:`~tierkv.record.none_parts_match`: header, key and checksum). It answers
+A helper reads only what the page cache holds (``RWF_NOWAIT``) and only unencrypted ``none``
+records it can verify in place (:func:`~tierkv.record.none_parts_match`: header, key and
+checksum; an encrypted tier reads in its own threads). It answers
 each record with its size when verified, else 0, and the driver then reads that record in its own
 threads as it would have (a cold record, a damaged one, another codec, an absent file): so a
 helper never decides a verdict other than "verified". A helper that dies is counted and not used

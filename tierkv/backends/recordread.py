@@ -3,7 +3,9 @@
 ``none`` records are read in place: one scatter read fills the header, the row itself and the
 trailer, and :func:`~tierkv.record.none_parts_match` checks them against the header the key's
 record must have. Anything else (another codec, a damaged or foreign record) is read whole and
-decoded by :func:`~tierkv.record.decode_record`, whose verdict counts.
+decoded by :func:`~tierkv.record.decode_record`, whose verdict counts. A tier with a
+:class:`~tierkv.encryption.KeyRing` reads a sealed ``none`` record's ciphertext into a per-thread
+buffer and decrypts it into the row (:func:`~tierkv.record.sealed_none_open`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.backends.fsio import RecordSource, SpecialFile
+from tierkv.encryption import KeyRing
 from tierkv.errors import CorruptRecord
-from tierkv.record import FIXED_HEADER_LEN, TRAILER_LEN, decode_record, none_header, none_parts_match
+from tierkv.record import (
+    FIXED_HEADER_LEN,
+    TAG_LEN,
+    TRAILER_LEN,
+    decode_record,
+    none_header,
+    none_parts_match,
+    sealed_none_open,
+)
 
 __all__ = ["RECORD_OVERHEAD", "Heads", "none_heads", "read_into"]
 
@@ -27,47 +38,60 @@ Heads = dict[int, tuple[bytes, bytes]]
 _tls = threading.local()
 
 
-def _read_buffer(size: int) -> memoryview:
-    """``size`` bytes of this thread's reusable read buffer (no allocation per record)."""
-    buf: bytearray | None = getattr(_tls, "buf", None)
+def _read_buffer(size: int, name: str = "buf") -> memoryview:
+    """``size`` bytes of this thread's reusable read buffer ``name`` (no allocation per record)."""
+    buf: bytearray | None = getattr(_tls, name, None)
     if buf is None or len(buf) < size:
-        buf = _tls.buf = bytearray(size)
+        buf = bytearray(size)
+        setattr(_tls, name, buf)
     return memoryview(buf)[:size]
 
 
-def none_heads(keys: Sequence[bytes], fingerprint: str, block_bytes: int, elem_size: int) -> Heads:
-    """Per key length, the header every ``none`` record of these blocks has, around the key."""
+def none_heads(keys: Sequence[bytes], fingerprint: str, block_bytes: int, elem_size: int,
+               key_id: bytes | None = None) -> Heads:
+    """Per key length, the header every ``none`` record of these blocks has, around the key
+    (sealed by ``key_id``'s key when given, nonce zero)."""
     heads: Heads = {}
     for k in keys:
         if len(k) not in heads:
-            h = none_header(key=k, fingerprint=fingerprint, raw_len=block_bytes, elem_size=elem_size)
+            h = none_header(key=k, fingerprint=fingerprint, raw_len=block_bytes, elem_size=elem_size,
+                            key_id=key_id)
             heads[len(k)] = (h[:FIXED_HEADER_LEN], h[FIXED_HEADER_LEN + len(k):])
     return heads
 
 
-def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fingerprint: str
-              ) -> int | str | None:
+def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fingerprint: str,
+              ring: KeyRing | None = None) -> int | str | None:
     """Read ``key``'s record from ``src`` into ``row`` and verify it (in a worker thread for local
-    files). ``heads`` (:func:`none_heads`, empty when the tier's codec is not ``none``) enables the
-    in-place read; the spare byte after the trailer catches longer files. Returns the record's
-    size, a corruption reason, or None when absent."""
+    files). ``heads`` (:func:`none_heads`, empty when the tier's codec is not ``none``; with the
+    ring's current key id when ``ring`` is given) enables the in-place read; the spare byte after
+    the trailer catches longer files. Returns the record's size, a corruption reason (``encrypted``
+    and ``plaintext``: a sound record this reader may not serve), or None when absent."""
     try:
         if heads:
             fixed, pad = heads[len(key)]
             expected = fixed + key + pad
             head, tail = bytearray(len(expected)), bytearray(TRAILER_LEN + 1)
-            got = src.readinto([head, row, tail])
-            if got is None:
-                return None
-            if none_parts_match(expected, head, row, tail, got):
-                return got
+            if ring is None:
+                got = src.readinto([head, row, tail])
+                if got is None:
+                    return None
+                if none_parts_match(expected, head, row, tail, got):
+                    return got
+            else:
+                sealed = _read_buffer(row.size + TAG_LEN, "sealed")
+                got = src.readinto([head, sealed, tail])
+                if got is None:
+                    return None
+                if sealed_none_open(expected, head, sealed, tail, got, ring, row):
+                    return got
         data = src.read_all(_read_buffer(row.size + RECORD_OVERHEAD + 1))
     except SpecialFile:
         return "special"
     if data is None:
         return None
     try:
-        decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.size, out=row)
+        decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.size, out=row, keys=ring)
     except CorruptRecord as exc:
         return exc.reason
     return data.nbytes

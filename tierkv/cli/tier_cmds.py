@@ -88,6 +88,9 @@ def _inspect(args: argparse.Namespace) -> int:
         rows: list[tuple[object, ...]] = []
         for g in ns.groups:
             codecs = ", ".join(f"{k} {v}" for k, v in sorted(g.codecs.items()))
+            if g.encrypted:
+                ids = ", ".join(f"key id {k} {v}" for k, v in sorted(g.key_ids.items()))
+                codecs += f"; encrypted {g.encrypted} ({ids})"
             if g.bad_headers:
                 codecs += f" ({g.bad_headers} unreadable)"
             rows.append((g.group, g.kind or "?", g.block_bytes or "?", g.records, _human(g.bytes_on_disk),
@@ -105,7 +108,10 @@ def add_verify(sub: Any) -> None:
                        help="check every record of a tier; --repair deletes corrupt ones",
                        description=(
                            "Check every record (checksum, decoding, key / fingerprint / group against its "
-                           "path and layout) and every namespace's layout.json.\n\n"
+                           "path and layout) and every namespace's layout.json. Encrypted records are "
+                           "decrypted, so their authenticity is checked, when --key-file (or "
+                           "--old-key-file) holds their key; otherwise their structure and checksum "
+                           "only. The summary says which.\n\n"
                            "Exit codes: 0 clean (or repaired); 1 corrupt or unreadable records, or a bad "
                            "layout.json, remain; 2 nothing verifiable found (the message says where the "
                            "namespaces are) or an error; 3 with --strict: stale temporary files remain."))
@@ -117,18 +123,35 @@ def add_verify(sub: Any) -> None:
                    help="temporary files older than this are stale even when their writer may live")
     v.add_argument("--max-block-bytes", type=positive_int, default=1 << 30,
                    help="bound on a block's size for namespaces without a readable layout.json")
+    v.add_argument("--key-file", metavar="PATH",
+                   help="the tier's encryption_key_file: encrypted records are decrypted and authenticated")
+    v.add_argument("--old-key-file", metavar="PATH", action="append", default=[],
+                   help="an older key still accepted (encryption_old_key_files; repeatable)")
     v.set_defaults(func=_verify)
+
+
+def _keys(args: argparse.Namespace) -> Any:
+    from tierkv.encryption import KeyRing
+    from tierkv.errors import ConfigError
+
+    if args.key_file is None:
+        if args.old_key_file:
+            raise ConfigError("--old-key-file needs --key-file")
+        return None
+    return KeyRing.from_files(args.key_file, args.old_key_file)
 
 
 def _verify(args: argparse.Namespace) -> int:
     from tierkv.tools.audit import verify_tier
 
+    keys = _keys(args)
     with progress() as bar:
         task = bar.add_task("verifying records", total=None)
         report = run_async(lambda: verify_tier(
             args.url, kv_pairs(args.storage_option), repair=args.repair, stale_temp_s=args.stale_temp_s,
             max_block_bytes=args.max_block_bytes, concurrency=args.concurrency,
-            progress=lambda n: bar.advance(task, n), on_total=lambda n: bar.update(task, total=n)))
+            progress=lambda n: bar.advance(task, n), on_total=lambda n: bar.update(task, total=n),
+            keys=keys))
     if not report.found:
         rc = EXIT_NOTHING
     elif not report.clean:
@@ -152,6 +175,14 @@ def _verify(args: argparse.Namespace) -> int:
               f"{report.ok} sound, {len(report.corrupt)} corrupt ({len(report.remaining)} remaining), "
               f"{len(report.errors)} unreadable, {len(report.temp_files)} temporary file(s), "
               f"{len(report.removed)} removed")
+    if report.authenticated or report.structure_only:
+        how = []
+        if report.authenticated:
+            how.append(f"{report.authenticated} authenticated with the key (decrypted and decoded)")
+        if report.structure_only:
+            why = "no key given" if not report.key_given else "sealed by a key not given"
+            how.append(f"{report.structure_only} checked for structure and checksum only ({why})")
+        out.print(f"encrypted records: {'; '.join(how)}")
     if report.hint:
         warn(report.hint)
     if report.remaining and not args.repair:

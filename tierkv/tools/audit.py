@@ -8,7 +8,9 @@ manifests, records, temporary files of writers, and other files, which are never
 :func:`inspect_tier` reads only record headers (namespaces, groups, record counts, bytes on disk,
 raw bytes, codec ratio). :func:`verify_tier` checks every record completely
 (:func:`~tierkv.record.verify_record`: structure, sizes, checksum, decoding) and that its key,
-fingerprint and group agree with its path and its namespace's layout; with ``repair`` it deletes the
+fingerprint and group agree with its path and its namespace's layout (an encrypted record is
+decrypted and so authenticated when a key for it is given; otherwise its structure and checksum
+are checked, and the report says which); with ``repair`` it deletes the
 corrupt records and stale temporary files (those of dead writers on this host, or older than
 ``stale_temp_s``). Paths in reports are relative to the root, and the URL is shown without
 credentials.
@@ -41,6 +43,7 @@ from tierkv.backends.namespace import (
 )
 from tierkv.backends.recordread import RECORD_OVERHEAD
 from tierkv.backends.redact import Redactor, redact_url
+from tierkv.encryption import KeyRing
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
 from tierkv.layout import Layout
 from tierkv.record import RecordHeader, read_header, verify_record
@@ -82,6 +85,10 @@ class GroupReport:
     raw_bytes: int = 0
     """Block bytes once decoded, from the headers."""
     codecs: dict[str, int] = field(default_factory=dict)
+    encrypted: int = 0
+    """Records whose payload is sealed (AES-256-GCM)."""
+    key_ids: dict[str, int] = field(default_factory=dict)
+    """Sealed records per key id (the id, never the key)."""
     bad_headers: int = 0
     """Records whose header could not be read or parsed (``tierkv verify`` tells why)."""
 
@@ -209,6 +216,12 @@ class VerifyReport:
     repaired: bool = False
     hint: str = ""
     """When no namespace is here: where there are (or why there is none)."""
+    key_given: bool = False
+    """Whether verify had encryption keys."""
+    authenticated: int = 0
+    """Sound encrypted records decrypted with a given key: their authenticity is checked."""
+    structure_only: int = 0
+    """Sound encrypted records whose key was not given: structure and checksum checked only."""
 
     @property
     def found(self) -> bool:
@@ -247,7 +260,8 @@ class VerifyReport:
                 "corrupt": [asdict(p) for p in self.corrupt], "errors": [asdict(p) for p in self.errors],
                 "temp_files": [asdict(t) for t in self.temp_files], "namespaces": self.namespaces,
                 "repaired": self.repaired, "removed": self.removed, "clean": self.clean,
-                "found": self.found, "hint": self.hint}
+                "found": self.found, "hint": self.hint, "key_given": self.key_given,
+                "authenticated": self.authenticated, "structure_only": self.structure_only}
 
 
 # ---- listing ----------------------------------------------------------------------------------------
@@ -391,6 +405,10 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
                     gr.stored_bytes += header.stored_len
                     gr.raw_bytes += header.raw_len
                     gr.codecs[header.codec] = gr.codecs.get(header.codec, 0) + 1
+                    if header.key_id is not None:
+                        gr.encrypted += 1
+                        kid = header.key_id.hex()
+                        gr.key_ids[kid] = gr.key_ids.get(kid, 0) + 1
                 if progress is not None:
                     progress(len(chunk))
             ns.groups = [groups[g] for g in sorted(groups)]
@@ -421,14 +439,29 @@ async def _headers(driver: Driver, entries: list[Entry]) -> list[RecordHeader | 
 
 
 # ---- verify -----------------------------------------------------------------------------------------
-def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int) -> Problem | None:
-    """Every check of one record against its path and layout; None when it is sound."""
+#: how a sound record was checked: not encrypted, decrypted with a given key, structure only
+Checked = str
+
+
+def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int, keys: KeyRing | None
+           ) -> Problem | Checked:
+    """Every check of one record against its path and layout; how it was checked when it is sound."""
     if not is_record_name(rel.rpartition("/")[2]):
         return Problem(rel, "name", "the file name is not a key")
     try:
-        header = verify_record(data, max_raw_bytes=bound)
+        header = verify_record(data, max_raw_bytes=bound, keys=keys)
     except CorruptRecord as exc:
         return Problem(rel, exc.reason, str(exc))
+    problem = _agrees(header, rel, fp, layout)
+    if problem is not None:
+        return problem
+    if header.key_id is None:
+        return "plain"
+    return "authenticated" if keys is not None and keys.holds(header.key_id) else "structure"
+
+
+def _agrees(header: RecordHeader, rel: str, fp: str, layout: Layout | None) -> Problem | None:
+    """Whether the record's key, fingerprint, group and size agree with its path and layout."""
     try:
         expected_rel = f"{fp}/{key_relpath(header.key)}{RECORD_SUFFIX}"
     except ValueError:
@@ -449,14 +482,16 @@ def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int) ->
     return None
 
 
-def _check_batch(items: list[tuple[Any, str, str, Layout | None, int]]) -> list[Problem | None]:
-    return [_check(data, rel, fp, layout, bound) for data, rel, fp, layout, bound in items]
+def _check_batch(items: list[tuple[Any, str, str, Layout | None, int]], keys: KeyRing | None
+                 ) -> list[Problem | Checked]:
+    return [_check(data, rel, fp, layout, bound, keys) for data, rel, fp, layout, bound in items]
 
 
 async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *, repair: bool = False,
                       stale_temp_s: float = 3600.0, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
                       concurrency: int = 16, progress: Progress | None = None,
-                      on_total: Callable[[int], None] | None = None) -> VerifyReport:
+                      on_total: Callable[[int], None] | None = None, keys: KeyRing | None = None
+                      ) -> VerifyReport:
     """Check every record under ``url`` completely; with ``repair`` delete the corrupt ones.
 
     A record is corrupt when :func:`~tierkv.record.verify_record` rejects it, or its key,
@@ -464,14 +499,16 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
     ``repair``, corrupt records and stale temporary files (of dead writers on this host, or older
     than ``stale_temp_s``) are deleted; records that cannot be read (I/O errors) are reported,
     never deleted. ``on_total`` gets the number of records once listed, ``progress`` the number
-    checked since its last call.
+    checked since its last call. With ``keys``, encrypted records sealed by one of its keys are
+    decrypted: one that does not authenticate is corrupt (``auth``); the others are checked for
+    structure and checksum only (:attr:`VerifyReport.structure_only`).
     """
     redact = Redactor(url, dict(storage_options or {}))
     driver, root = await _open(url, storage_options, concurrency, redact)
     try:
         listing = await _list(driver, root, url, redact)
         base = root.rstrip("/")
-        report = VerifyReport(url=redact_url(url), hint=_hint(url, root, listing))
+        report = VerifyReport(url=redact_url(url), hint=_hint(url, root, listing), key_given=keys is not None)
         now = time.time()
         for e, rel, _ in listing.temps:
             alive = temp_owner_alive(rel.rpartition("/")[2])
@@ -509,11 +546,13 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                         report.errors.append(Problem(rel, "unreadable", redact.error(data)))
                     else:
                         items.append((data, rel, fp, layout, bound))
-                verdicts = await driver.compute(_check_batch, items)
+                verdicts = await driver.compute(_check_batch, items, keys)
                 for (_, rel, _, _, _), problem in zip(items, verdicts, strict=True):
                     report.checked += 1
-                    if problem is None:
+                    if isinstance(problem, str):
                         report.ok += 1
+                        report.authenticated += problem == "authenticated"
+                        report.structure_only += problem == "structure"
                     else:
                         report.corrupt.append(problem)
                         to_delete.append((f"{base}/{rel}", problem))
