@@ -338,3 +338,42 @@ def _no_stray_umask() -> Iterator[None]:
     os.umask(before)
     yield
     assert os.umask(before) == before
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_a_file_tier_restores_through_either_and_says_which(impl: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``file://`` tier reads its records through the C module or the Python path (the same
+    blocks, every record checked), and its stats say which one read them."""
+    import anyio
+
+    from tierkv import GroupSpec, Layout, Lookup, TieredStore
+
+    if impl == "native" and batchio.native_error() is not None:
+        pytest.skip(f"the C module did not build here: {batchio.native_error()}")
+    monkeypatch.setenv(batchio.ENV, "1" if impl == "native" else "0")
+    layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=64 << 10)])
+    cfg = {"layout": layout, "namespace": "io", "tiers": [
+        {"kind": "cpu", "slots": {0: 8}},
+        {"kind": "fsspec", "url": f"file://{tmp_path}", "read_processes": 0}]}
+    hs = [f"b{i}".encode() for i in range(8)]
+    data = torch.from_numpy(np.stack([data_row(i) for i in range(8)]))
+
+    async def run() -> tuple[torch.Tensor, dict[str, int]]:
+        async with TieredStore(cfg) as store:
+            await store.put(0, hs, data)
+        async with TieredStore(cfg) as store:
+            while store.lookup_prefix(hs, request_id="r").state is Lookup.PENDING:
+                await anyio.sleep(0.002)
+            out = torch.zeros_like(data)
+            await store.get(0, hs, out, request_id="r")
+            return out, store.stats().tiers[1].backend
+
+    out, counters = anyio.run(run)
+    assert torch.equal(out, data)
+    other = "io_native" if impl == "python" else "io_python"
+    assert counters.get(f"io_{impl}") == 1 and other not in counters
+
+
+def data_row(i: int) -> np.ndarray:
+    return data(64 << 10, seed=100 + i)

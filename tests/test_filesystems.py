@@ -390,14 +390,14 @@ def hung_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """While the event is set, every read of a ``file://`` record blocks in its I/O thread, as a
     read of a hung mount does (the thread is inside the kernel, writing into the rows it was given)."""
     hang = threading.Event()
-    read = localfs.LocalSource._read
+    read = localfs.LocalSource.readinto
 
-    def stuck(self: localfs.LocalSource, fd: int, bufs: list[Any]) -> int:
+    def stuck(self: localfs.LocalSource, bufs: list[Any]) -> int | None:
         while hang.is_set():
             time.sleep(0.01)
-        return read(self, fd, bufs)
+        return read(self, bufs)
 
-    monkeypatch.setattr(localfs.LocalSource, "_read", stuck)
+    monkeypatch.setattr(localfs.LocalSource, "readinto", stuck)
     yield hang
     hang.clear()
 

@@ -50,7 +50,7 @@ from typing import Any
 from tierkv.backends import batchio_py
 from tierkv.backends.fsio import temp_name
 
-__all__ = ["active", "implementation", "native_error", "read_batch", "write_batch"]
+__all__ = ["active", "implementation", "native", "native_error", "read_batch", "write_batch"]
 
 #: the environment variable that forces the pure-Python fallback when set to 0
 ENV = "TIERKV_NATIVE"
@@ -74,6 +74,11 @@ def _chosen() -> ModuleType:
     if _native is not None and os.environ.get(ENV, "1") != "0":
         return _native
     return batchio_py
+
+
+def native() -> ModuleType | None:
+    """The C module when this process uses it, else None (callers keep their own Python path)."""
+    return _native if _chosen() is _native else None
 
 
 def active() -> str:

@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tierkv.backends import directio
-from tierkv.backends.localfs import make_dirs
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "MAX_THREADS", "read_batch", "write_batch"]
+__all__ = ["ALIGN", "CHUNK_BYTES", "MAX_THREADS", "make_dirs", "read_batch", "write_batch"]
 
 ALIGN = directio.ALIGN
 CHUNK_BYTES = directio.CHUNK_BYTES
@@ -40,6 +39,24 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+
+
+def make_dirs(d: str, mode: int) -> None:
+    """Create ``d`` and its missing parents, each with ``mode`` (``os.makedirs`` gives the parents
+    the umask's default, 0o755 under the usual umask)."""
+    missing = []
+    p = d
+    while p and p != "/" and not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, mode)
+        except FileExistsError:
+            continue
+        if mode != 0o700:  # what the umask took from a wider mode
+            with contextlib.suppress(OSError):
+                os.chmod(p, mode)
 
 
 def _aligned_scratch() -> memoryview:

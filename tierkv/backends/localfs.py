@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import anyio
 
 from tierkv import sharedmem
-from tierkv.backends import directio
+from tierkv.backends import batchio, directio
+from tierkv.backends.batchio_py import make_dirs
 from tierkv.backends.fsio import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -154,6 +155,13 @@ class LocalSource:
     def readinto(self, bufs: list[Any]) -> int | None:
         """One read into ``bufs``. Regular files read short only at their end, so a result equal
         to the total length of ``bufs`` means the file is at least that long."""
+        c = batchio.native()
+        if c is not None:  # open, read and close in one call of the C module, the GIL released
+            got: int = c.read_batch([self.path], [bufs], False, self.nowait, 1)[0]
+            if got >= 0:
+                return got
+            self._failed(-got)
+            return None
         try:
             fd = os.open(self.path, _OPEN_FLAGS)
         except FileNotFoundError:
@@ -164,6 +172,17 @@ class LocalSource:
             return self._read(fd, bufs)
         finally:
             os.close(fd)
+
+    def _failed(self, err: int) -> None:
+        """Raise the C module's ``-errno`` of a read as the Python path does (an absent file, ENOENT,
+        raises nothing: the read's result is None)."""
+        if err == errno.ENOENT:
+            return
+        if self.nowait and err == errno.EAGAIN:
+            raise WouldBlock
+        if self.nowait and err == errno.EOPNOTSUPP:
+            raise NoWaitUnsupported(err)
+        raise _special(OSError(err, os.strerror(err), self.path), self.path)
 
     def read_all(self, buf: memoryview) -> memoryview | None:
         """The record's bytes (at most ``len(buf)``), read into ``buf``; None when absent."""
@@ -180,24 +199,6 @@ class LocalSource:
             return buf[:got]
         finally:
             os.close(fd)
-
-
-def make_dirs(d: str, mode: int) -> None:
-    """Create ``d`` and its missing parents, each with ``mode`` (``os.makedirs`` gives the parents
-    the umask's default, 0o755 under the usual umask)."""
-    missing = []
-    p = d
-    while p and p != "/" and not os.path.isdir(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    for p in reversed(missing):
-        try:
-            os.mkdir(p, mode)
-        except FileExistsError:
-            continue
-        if mode != 0o700:  # what the umask took from a wider mode
-            with contextlib.suppress(OSError):
-                os.chmod(p, mode)
 
 
 def touch_in_order(paths: list[str]) -> None:
@@ -263,9 +264,12 @@ class LocalDriver(Driver):
     def counts(self) -> dict[str, int]:
         """``direct_writes``: records written with ``O_DIRECT``; ``direct_fallbacks``: direct
         writes the file system refused (then written buffered); ``reader_reads``: records read
-        and verified by reader processes; ``reader_deaths``: reader processes that ended."""
+        and verified by reader processes; ``reader_deaths``: reader processes that ended;
+        ``io_native`` or ``io_python`` (1): whether records are read by the C module."""
         with self._count_lock:
-            return dict(self._counts)
+            out = dict(self._counts)
+        out["io_native" if batchio.native() is not None else "io_python"] = 1
+        return out
 
     async def prepare(self, directory: str) -> None:
         """Start the reader processes when this process has shared memory to read into; decide
@@ -291,8 +295,10 @@ class LocalDriver(Driver):
 
     def features(self) -> dict[str, bool]:
         """What this file system was found to do: ``direct_io`` (records written past the page
-        cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes)."""
-        return {"direct_io": self.direct, "page_cache_reads": self.nowait}
+        cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes); and
+        ``native_reads``: records are read by the C module (:mod:`~tierkv.backends.batchio`)."""
+        return {"direct_io": self.direct, "page_cache_reads": self.nowait,
+                "native_reads": batchio.native() is not None}
 
     async def refuse_nowait(self, how: str) -> None:
         """Reads wait for the device from now on, and reader processes (which read only the page
