@@ -1,6 +1,6 @@
 """The C part of tierkv: ``tierkv._batchio`` (batch record I/O, tierkv/_batchio.c), built by pip with
 the system C compiler. Optional: where it cannot be built (no compiler, no Python headers) the
-package still installs, and tierkv.backends.batchio uses the pure-Python fallback."""
+package still installs, and tierkv.backends.fsspec._batchio uses the pure-Python fallback."""
 
 from setuptools import Extension, setup
 

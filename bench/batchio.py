@@ -1,4 +1,4 @@
-"""Batch record I/O (tierkv.backends.batchio): the C module against its Python fallback, a plain
+"""Batch record I/O (tierkv.backends.fsspec._batchio): the C module against its Python fallback, a plain
 Python loop and fio, on records of 256 KiB, 1 MiB and 2 MiB in one directory.
 
     python bench/batchio.py [--sizes 256,1024,2048] [--mib 256] [--threads 4] [--batch 32]
@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tierkv.backends import batchio
-from tierkv.backends.fsio import temp_name
+from tierkv.backends.fsspec import _batchio as batchio
+from tierkv.backends.fsspec._io import temp_name
 
 PHASES = ("store", "warm", "cold")
 #: warm loads are short (a page-cache copy): each round takes the median of this many passes

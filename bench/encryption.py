@@ -119,7 +119,7 @@ def breakdown(block: int, key_path: Path, base: Path) -> dict[str, float]:
     """
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from tierkv.backends.localfs import LocalSource
+    from tierkv.backends.fsspec._local import LocalSource
     from tierkv.backends.recordread import none_heads, read_into
     from tierkv.encryption import KeyRing
     from tierkv.record import encode_record

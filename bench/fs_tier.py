@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from tierkv.backends.base import Tier, TierContext
-from tierkv.backends.fsspec import FsspecTier, default_io_threads
+from tierkv.backends.fsspec._tier import FsspecTier, default_io_threads
 from tierkv.backends.registry import get_backend
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
@@ -503,8 +503,8 @@ def s3_get_job(fs: Any, paths: list[str], conc: int, size: int, **kw: Any) -> Jo
 def obstore_stores(opts: dict[str, Any], buckets: list[str]) -> dict[str, Any] | None:
     """Raw obstore: an ``S3Store`` per bucket from the same s3fs options, as the tier maps them
     (None when obstore is not installed)."""
-    from tierkv.backends.obstorefs import obstore_module, s3_store_config
-    from tierkv.backends.remotefs import RetryPolicy
+    from tierkv.backends.fsspec._obstore import obstore_module, s3_store_config
+    from tierkv.backends.fsspec._remote import RetryPolicy
 
     obs = obstore_module()
     if obs is None:

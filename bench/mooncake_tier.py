@@ -75,7 +75,7 @@ def raw_batch_s(client: Any, names: list[str], sizes: list[int], buf: np.ndarray
 
 
 def run_mooncake(args: argparse.Namespace, block: int, endpoint: str, client: Any) -> dict[str, Any]:
-    from tierkv.backends.mooncake import object_name
+    from tierkv.backends.mooncake._tier import object_name
     from tierkv.keys import make_key
 
     n = max(1, (args.total_mib * MIB) // block)

@@ -274,8 +274,8 @@ async def raw_s3_loop(options: dict[str, Any], paths: list[str], concurrency: in
 async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrency: int) -> float | None:
     """Seconds to fetch every object with obstore (``get_range_async`` of the whole object),
     ``concurrency`` requests in flight; None when obstore is not installed."""
-    from tierkv.backends.obstorefs import obstore_module, s3_store_config
-    from tierkv.backends.remotefs import RetryPolicy
+    from tierkv.backends.fsspec._obstore import obstore_module, s3_store_config
+    from tierkv.backends.fsspec._remote import RetryPolicy
 
     obs = obstore_module()
     if obs is None:
@@ -301,7 +301,7 @@ async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrenc
 
 
 def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
-    from tierkv.backends.fsopen import default_io_threads
+    from tierkv.backends.fsspec._open import default_io_threads
 
     n = max(1, (args.s3_total_mib * MIB) // block)
     data = torch.randint(0, 256, (n, block), dtype=torch.uint8)
@@ -310,7 +310,7 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     options = server.storage_options()
     client = args.s3_client
     if client == "auto":
-        from tierkv.backends.obstorefs import obstore_module
+        from tierkv.backends.fsspec._obstore import obstore_module
 
         client = "s3fs" if obstore_module() is None else "obstore"
     cfg = config(block, n, {"kind": "fsspec", "url": f"s3://{bucket}/kv", "storage_options": options,

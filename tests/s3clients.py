@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.backends.obstorefs import ENV_CLIENT
+from tierkv.backends.fsspec._obstore import ENV_CLIENT
 
 __all__ = ["CLIENTS", "s3_client"]
 

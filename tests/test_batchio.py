@@ -1,4 +1,4 @@
-"""Batch record I/O (tierkv.backends.batchio): every case runs against the C module and the
+"""Batch record I/O (tierkv.backends.fsspec._batchio): every case runs against the C module and the
 pure-Python fallback, which must give the same results."""
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import pytest
 import torch
 from test_filesystems import full_tmpfs
 
-from tierkv.backends import batchio, batchio_py, directio
-from tierkv.backends.fsio import TEMP_MARK
-from tierkv.backends.localfs import probe_nowait
+from tierkv.backends.fsspec import _batchio as batchio
+from tierkv.backends.fsspec import _batchio_py as batchio_py
+from tierkv.backends.fsspec import _directio as directio
+from tierkv.backends.fsspec._io import TEMP_MARK
+from tierkv.backends.fsspec._local import probe_nowait
 
 __all__ = ["full_tmpfs"]
 

@@ -10,7 +10,7 @@ import torch
 from helpers import hashes
 
 from tierkv import GroupSpec, Layout, TieredStore
-from tierkv.backends.capacity import Ledger
+from tierkv.backends.fsspec._capacity import Ledger
 
 BB = 16 << 10
 LAYOUT = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, StoreConfig, TieredStore
-from tierkv.backends import directio
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+from tierkv.backends.fsspec import _directio as directio
 from tierkv.errors import BackendError
 from tierkv.keys import make_key
 

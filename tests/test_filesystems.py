@@ -21,7 +21,7 @@ from helpers import blocks, hashes
 from test_fsspec_tier import logs
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
-from tierkv.backends import localfs
+from tierkv.backends.fsspec import _local as localfs
 from tierkv.errors import BackendError
 
 __all__ = ["logs"]  # a fixture, imported for this module

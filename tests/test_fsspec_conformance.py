@@ -13,7 +13,7 @@ from s3clients import CLIENTS
 from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 
 from tierkv.backends.base import Tier
-from tierkv.backends.fsspec import FsspecTier, record_path
+from tierkv.backends.fsspec._tier import FsspecTier, record_path
 from tierkv.record import decode_record, encode_record
 from tierkv.testing import TierTests
 

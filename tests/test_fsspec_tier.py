@@ -24,8 +24,8 @@ from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 
 from tierkv import BlockMissing, Lookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
-from tierkv.backends.fsio import _HOST, TEMP_MARK
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+from tierkv.backends.fsspec._io import _HOST, TEMP_MARK
 from tierkv.errors import BackendError, ConfigError
 from tierkv.gateway import TierGateway
 from tierkv.keys import make_key
@@ -635,7 +635,7 @@ async def test_credentials_never_appear_in_errors_of_a_dead_endpoint(url: str, l
 
 
 def test_redact_url_and_config_repr() -> None:
-    from tierkv.backends.fsspec import Redactor, redact_url
+    from tierkv.backends.fsspec._tier import Redactor, redact_url
 
     assert redact_url(f"s3://AK:{SECRET}@bucket/p?x=1") == "s3://bucket/p"
     assert redact_url(f"http://u:{SECRET}@host:9000/p") == "http://host:9000/p"
@@ -659,7 +659,7 @@ async def test_a_cancelled_local_call_returns_only_after_its_running_jobs_end() 
     import threading
     import time
 
-    from tierkv.backends.localfs import LocalDriver
+    from tierkv.backends.fsspec._local import LocalDriver
 
     driver = LocalDriver(anyio.CapacityLimiter(2), threads=2, fsync=False)
     lock, running, started, finished = threading.Lock(), [0], [0], [0]

@@ -23,7 +23,7 @@ from test_fsspec_tier import logs
 
 from tierkv import BackendError, BlockMissing, GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends.base import Tier
-from tierkv.backends.mooncake_config import MooncakeTierConfig
+from tierkv.backends.mooncake._config import MooncakeTierConfig
 from tierkv.backends.registry import get_backend
 from tierkv.errors import BackendNotFound
 from tierkv.keys import make_key
@@ -148,7 +148,8 @@ def test_a_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatc
     import tierkv.backends.registry as registry
 
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # the import fails as when not installed
-    for mod in ("tierkv.backends.mooncake", "tierkv.backends.mooncake_client"):
+    for mod in ("tierkv.backends.mooncake", "tierkv.backends.mooncake._tier",
+                "tierkv.backends.mooncake._client"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
     monkeypatch.delitem(registry._loaded, "mooncake", raising=False)
     with pytest.raises(BackendNotFound) as exc:

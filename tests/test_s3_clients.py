@@ -20,12 +20,11 @@ from seaweed import SeaweedServer, seaweed
 from test_fsspec_tier import logs
 
 from tierkv import TieredStore
-from tierkv.backends.fsio import unavailable
-from tierkv.backends.fsopen import open_driver
-from tierkv.backends.obstorefs import ENV_CLIENT, s3_store_config
-from tierkv.backends.remotefs import AsyncDriver, RequestDriver, RetryPolicy, transient
+from tierkv.backends.fsspec._obstore import ENV_CLIENT, s3_store_config
+from tierkv.backends.fsspec._open import open_driver
+from tierkv.backends.fsspec._remote import AsyncDriver, RequestDriver, RetryPolicy, transient
 from tierkv.cli import main as cli_main
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, unavailable
 
 __all__ = ["logs", "seaweed"]  # fixtures, imported for this module
 

@@ -21,7 +21,7 @@ from crash_writer import FULL, hash_of, store_layout
 from s3clients import CLIENTS
 from seaweed import seaweed
 
-from tierkv.backends.obstorefs import ENV_CLIENT
+from tierkv.backends.fsspec._obstore import ENV_CLIENT
 from tierkv.keys import make_key
 from tierkv.record import encode_record
 

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, transient
+from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, transient
 
 pytestmark = pytest.mark.anyio
 

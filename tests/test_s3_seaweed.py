@@ -40,7 +40,7 @@ from test_fsspec_tier import logs
 
 from tierkv import BackendError, BlockMissing, GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends.base import Tier
-from tierkv.backends.fsspec import FsspecTier, record_path
+from tierkv.backends.fsspec._tier import FsspecTier, record_path
 from tierkv.cli import main as cli_main
 from tierkv.keys import make_key
 from tierkv.testing import TierTests, conformance_layout

@@ -628,7 +628,7 @@ static int check_threads(int threads) {
 PyDoc_STRVAR(read_batch_doc,
 "read_batch(paths, bufs, direct=False, nowait=False, threads=1) -> list[int]\n\n"
 "Read each file into its buffers (a writable buffer, or a list of them filled in order); per item\n"
-"the bytes read (less than the buffers hold: the file ended) or -errno. See tierkv.backends.batchio.");
+"the bytes read (less than the buffers hold: the file ended) or -errno. See tierkv.backends.fsspec._batchio.");
 
 static PyObject *read_batch(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"paths", "bufs", "direct", "nowait", "threads", NULL};
@@ -700,7 +700,7 @@ PyDoc_STRVAR(write_batch_doc,
 "write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None, threads=1)\n"
 "    -> (list[int], direct_writes, direct_refused)\n\n"
 "Publish each (final_path, tmp_path, buffers) atomically: write tmp_path, then rename it to\n"
-"final_path; per item the bytes written or -errno. See tierkv.backends.batchio.");
+"final_path; per item the bytes written or -errno. See tierkv.backends.fsspec._batchio.");
 
 static PyObject *write_batch(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"items", "fsync", "mode", "direct", "direct_min", "dir_mode", "threads", NULL};

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tierkv.backends.base import TierContext
-    from tierkv.backends.fsopen import is_local_url
     from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
+    from tierkv.backends.fsspec._open import is_local_url
     from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
     from tierkv.config import format_validation_error
     from tierkv.engine import EngineSlots
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.backends.base", n) for n in ["TierContext"]},
-    **{n: ("tierkv.backends.fsopen", n) for n in ["is_local_url"]},
+    **{n: ("tierkv.backends.fsspec._open", n) for n in ["is_local_url"]},
     **{n: ("tierkv.backends.fsspec", n) for n in ["FsspecTier", "FsspecTierConfig", "redact_url"]},
     **{n: ("tierkv.bridge", n) for n in ["ENGINE_SWITCH_INTERVAL_S", "LoopThread", "cap_switch_interval"]},
     **{n: ("tierkv.config", n) for n in ["format_validation_error"]},

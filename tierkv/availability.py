@@ -20,9 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 import anyio
 
 from tierkv.backends.base import Tier
-from tierkv.backends.fsio import unavailable
 from tierkv.bridge import LoopBridge
-from tierkv.errors import BackendError
+from tierkv.errors import BackendError, unavailable
 from tierkv.gateway import TierGateway
 from tierkv.pool import SlotPool
 

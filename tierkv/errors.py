@@ -8,6 +8,7 @@ working.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "LayoutError",
     "StoreClosed",
     "TierKVError",
+    "DOWN_TYPES",
     "TierUnavailable",
     "format_validation_error",
     "install_hint",
+    "unavailable",
 ]
 
 
@@ -124,3 +127,29 @@ def install_hint(extra: str) -> str:
     need = EXTRAS.get(extra, extra)
     return (f"pip install '{need}' (the [{extra}] extra of {DISTRIBUTION}; from a tierkv checkout: "
             f"pip install -e '.[{extra}]')")
+
+
+#: errors of a file system that is down or unreachable (a dead FUSE daemon, a lost NFS server)
+_DOWN_ERRNO = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+                         errno.ENETUNREACH, errno.ENETDOWN, errno.EIO, errno.ETIMEDOUT,
+                         errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED})
+#: botocore / aiohttp exceptions of a server that does not answer (matched by class name)
+DOWN_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                         "ConnectTimeoutError", "ConnectionError", "ServerDisconnectedError",
+                         "ClientConnectionError", "ClientOSError", "ProxyConnectionError",
+                         "TimeoutError", "ServerTimeoutError", "TierUnavailable"})
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says a tier does not answer now (worth waiting for), rather than that it
+    is set up wrong (a bad setting, a missing bucket, no permission: waiting will not cure it)."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in _DOWN_ERRNO:
+            return True
+        if any(t.__name__ in DOWN_TYPES for t in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False

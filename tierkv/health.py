@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from tierkv.backends.base import Tier
-from tierkv.backends.fsio import unavailable
+from tierkv.errors import unavailable
 from tierkv.metrics import TierStats
 
 __all__ = ["DOWN_AFTER_FAILURES", "TierHealth", "why"]

@@ -2,7 +2,7 @@
 
 :func:`~tierkv.pool.shared_pool_tensors` registers each pool it maps (the mapping and a descriptor
 of its file); :func:`region_of` tells whether a buffer lies inside one, and where. Reader
-processes (:mod:`tierkv.backends.readproc`) map the same file through the descriptor and read
+processes (:mod:`tierkv.backends.fsspec._readproc`) map the same file through the descriptor and read
 records straight into those bytes. A region is forgotten, and its descriptor closed, when its
 mapping is freed, so an address reused by a later allocation never points at a stale file.
 

@@ -1,7 +1,7 @@
 """Tier backends: the tier interface, the registry, and the built-in tiers.
 
 Names are imported on first use, so a module that needs none of them (a reader process imports
-``tierkv.backends.localfs``) does not pull in torch.
+``tierkv.backends.fsspec._local``) does not pull in torch.
 """
 
 from __future__ import annotations

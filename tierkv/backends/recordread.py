@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierkv.backends.fsio import RecordSource, SpecialFile
+from tierkv.backends.fsspec._io import RecordSource, SpecialFile
 from tierkv.encryption import KeyRing
 from tierkv.errors import CorruptRecord
 from tierkv.record import (

@@ -1,7 +1,8 @@
 """What ``tierkv inspect`` and ``tierkv verify`` do: walk a persistent tier's root, read records.
 
-Both open the root with the same drivers as the ``fsspec`` tier (:func:`~tierkv.backends.fsopen.open_driver`:
-os calls for local paths, async s3fs for S3, any other fsspec file system) and classify what they
+Both open the root with the same drivers as the ``fsspec`` tier
+(:func:`~tierkv.backends.fsspec._open.open_driver`: os calls for local paths, obstore or s3fs for
+S3, any other fsspec file system) and classify what they
 list with :mod:`tierkv.backends.namespace`, the one owner of the paths under a tier (namespace
 manifests, records, temporary files of writers, and other files, which are never touched).
 
@@ -27,10 +28,11 @@ from typing import Any
 
 import anyio
 
-from tierkv.backends import directio
-from tierkv.backends.fsio import Driver, Entry, SpecialFile, temp_owner_alive
-from tierkv.backends.fsopen import open_driver, url_problem
-from tierkv.backends.localfs import LocalDriver, probe_nowait
+from tierkv.backends.fsspec import _directio as directio
+from tierkv.backends.fsspec._io import Driver, Entry, SpecialFile, temp_owner_alive
+from tierkv.backends.fsspec._local import LocalDriver, probe_nowait
+from tierkv.backends.fsspec._open import open_driver, url_problem
+from tierkv.backends.fsspec._redact import Redactor, redact_url
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     Listing,
@@ -42,7 +44,6 @@ from tierkv.backends.namespace import (
     parse_manifest,
 )
 from tierkv.backends.recordread import RECORD_OVERHEAD
-from tierkv.backends.redact import Redactor, redact_url
 from tierkv.encryption import KeyRing
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
 from tierkv.layout import Layout

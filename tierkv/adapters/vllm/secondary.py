@@ -140,7 +140,7 @@ PROBE_BATCH = 512
 class TierKVSecondaryTierConfig(FsspecTierConfig):
     """The keys of a ``TierKVSecondaryTier`` entry in ``secondary_tiers``.
 
-    All fields of :class:`~tierkv.backends.fsspec_config.FsspecTierConfig` (``url``, ``storage_options``,
+    All fields of :class:`~tierkv.backends.fsspec._config.FsspecTierConfig` (``url``, ``storage_options``,
     ``codec``, ``capacity_bytes``, ``fsync``, ``io_threads``, TTLs, in-flight bounds, ...) plus:
 
     - ``namespace``: an extra string mixed into the namespace (e.g. to keep two deployments of

@@ -27,6 +27,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
+import tierkv
 from tierkv.sharedmem import SharedRegion, region_of
 
 __all__ = ["Item", "ReaderProcess", "ReaderProcesses", "supported"]
@@ -52,12 +53,12 @@ class ReaderProcess:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         specs = [f"{r.id}:{r.fd}:{r.size}:{int(r.size <= POPULATE_MAX_BYTES)}" for r in regions]
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(tierkv.__file__)))  # holds the package
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierkv.backends.readproc", str(req_r), str(rep_w), *specs],
+                [sys.executable, "-m", "tierkv.backends.fsspec._readproc", str(req_r), str(rep_w), *specs],
                 pass_fds=(req_r, rep_w, *(r.fd for r in regions)), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         finally:
@@ -183,8 +184,8 @@ class ReaderProcesses:
 
 # ---- the helper -------------------------------------------------------------------------------------
 def _serve(argv: list[str]) -> int:
-    from tierkv.backends.fsio import WouldBlock
-    from tierkv.backends.localfs import LocalSource
+    from tierkv.backends.fsspec._io import WouldBlock
+    from tierkv.backends.fsspec._local import LocalSource
     from tierkv.record import TRAILER_LEN, none_parts_match
 
     requests = Connection(int(argv[0]), writable=False)

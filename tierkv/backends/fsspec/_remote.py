@@ -13,8 +13,7 @@ from typing import Any, TypeVar, cast
 
 import anyio
 
-from tierkv.backends.fsio import (
-    DOWN_TYPES,
+from tierkv.backends.fsspec._io import (
     BytesSource,
     Driver,
     Entry,
@@ -24,6 +23,7 @@ from tierkv.backends.fsio import (
     info_mtime,
     temp_name,
 )
+from tierkv.errors import DOWN_TYPES
 
 __all__ = ["AsyncDriver", "RequestDriver", "RetryPolicy", "SyncDriver", "transient"]
 

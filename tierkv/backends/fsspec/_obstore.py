@@ -12,13 +12,13 @@ The user's interface stays fsspec's: the URL and ``storage_options`` are s3fs's,
 once. The setting ``s3_client`` (``auto``, ``obstore``, ``s3fs``) picks the client; under
 ``auto`` the environment variable ``TIERKV_S3_CLIENT`` may pick it instead.
 
-Semantics match :class:`~tierkv.backends.remotefs.AsyncDriver` (s3fs): one PUT per record (parts
+Semantics match :class:`~tierkv.backends.fsspec._remote.AsyncDriver` (s3fs): one PUT per record (parts
 of 50 MiB from 50 MiB on, as s3fs), a missing object is a miss, listings give ``bucket/key``
 paths with sizes and times, failures are translated into the ``OSError`` classes s3fs raises (503
 SlowDown: ``EBUSY``, other 5xx: ``EREMOTEIO``, 416: ``EINVAL``, 403: ``PermissionError``, a
 refused or dropped connection: ``ConnectionError``, a timeout: ``TimeoutError``), so retries
 and the tier's up/down decisions are the same. obstore's own retries are off: tierkv's
-:class:`~tierkv.backends.remotefs.RetryPolicy` bounds them.
+:class:`~tierkv.backends.fsspec._remote.RetryPolicy` bounds them.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import anyio
 
-from tierkv.backends.fsio import Entry, temp_name
-from tierkv.backends.remotefs import RequestDriver, RetryPolicy
+from tierkv.backends.fsspec._io import Entry, temp_name
+from tierkv.backends.fsspec._remote import RequestDriver, RetryPolicy
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
 
 __all__ = ["CLIENTS", "ENV_CLIENT", "MULTIPART_BYTES", "ObstoreDriver", "obstore_module", "open_obstore",

@@ -10,11 +10,11 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 
-from tierkv.backends.fsio import Driver
-from tierkv.backends.localfs import LocalDriver
-from tierkv.backends.obstorefs import open_obstore
-from tierkv.backends.redact import redact_url
-from tierkv.backends.remotefs import AsyncDriver, RetryPolicy, SyncDriver
+from tierkv.backends.fsspec._io import Driver
+from tierkv.backends.fsspec._local import LocalDriver
+from tierkv.backends.fsspec._obstore import open_obstore
+from tierkv.backends.fsspec._redact import redact_url
+from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
 
 __all__ = ["S3_FAIL_FAST", "default_io_threads", "default_read_processes", "is_local_url", "open_driver",
@@ -140,7 +140,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
     CPU work, and more threads than cores only contend) and ``direct_io`` (the tier's setting,
-    settled by :meth:`~tierkv.backends.localfs.LocalDriver.prepare`) and ``read_processes``
+    settled by :meth:`~tierkv.backends.fsspec._local.LocalDriver.prepare`) and ``read_processes``
     (``"auto"``: :func:`default_read_processes`); other file systems are
     bounded by ``limiter``.
 
@@ -148,7 +148,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
 
     ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: obstore where it is
-    installed and takes every option, see :func:`~tierkv.backends.obstorefs.open_obstore`).
+    installed and takes every option, see :func:`~tierkv.backends.fsspec._obstore.open_obstore`).
     """
     parts = urlsplit(url)
     protocol = parts.scheme or "file"

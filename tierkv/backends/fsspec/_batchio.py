@@ -4,7 +4,7 @@ caller's buffers in one call.
 Two implementations with one API and the same results: the C module ``tierkv._batchio`` (built by
 pip from tierkv/_batchio.c with the system C compiler; it makes the system calls of a whole batch
 with the GIL released, on the caller's thread and up to ``threads - 1`` threads of its own) and
-the pure-Python :mod:`tierkv.backends.batchio_py`, used where the C module could not be built or
+the pure-Python :mod:`tierkv.backends.fsspec._batchio_py`, used where the C module could not be built or
 when the environment sets ``TIERKV_NATIVE=0``. :func:`active` says which one this process uses.
 
 Per item, a result is a byte count (>= 0) or ``-errno``:
@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from tierkv.backends import batchio_py
-from tierkv.backends.fsio import temp_name
+from tierkv.backends.fsspec import _batchio_py as batchio_py
+from tierkv.backends.fsspec._io import temp_name
 
 __all__ = ["active", "implementation", "native", "native_error", "read_batch", "write_batch"]
 

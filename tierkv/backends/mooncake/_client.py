@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-from tierkv.backends.mooncake_config import MooncakeTierConfig, split_endpoint
+from tierkv.backends.mooncake._config import MooncakeTierConfig, split_endpoint
 from tierkv.errors import BackendError, CorruptRecord, TierUnavailable
 from tierkv.record import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
 

@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import anyio
 
 from tierkv import sharedmem
-from tierkv.backends import batchio, directio
-from tierkv.backends.batchio_py import make_dirs
-from tierkv.backends.fsio import (
+from tierkv.backends.fsspec import _batchio as batchio
+from tierkv.backends.fsspec import _directio as directio
+from tierkv.backends.fsspec._batchio_py import make_dirs
+from tierkv.backends.fsspec._io import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
     Driver,
@@ -30,8 +31,8 @@ from tierkv.backends.fsio import (
     detach,
     temp_name,
 )
-from tierkv.backends.readproc import ReaderProcesses
-from tierkv.backends.readproc import supported as readproc_supported
+from tierkv.backends.fsspec._readproc import ReaderProcesses
+from tierkv.backends.fsspec._readproc import supported as readproc_supported
 from tierkv.backends.threads import DaemonPool, Jobs
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
@@ -244,7 +245,7 @@ class LocalDriver(Driver):
         self._pool = DaemonPool(threads, "tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: DaemonPool | None = None
-        #: helper processes for reads into shared memory (:mod:`~tierkv.backends.readproc`)
+        #: helper processes for reads into shared memory (:mod:`~tierkv.backends.fsspec._readproc`)
         self.read_processes = read_processes if readproc_supported() else 0
         self._readers: ReaderProcesses | None = None
         self._reader_deaths_before = 0
@@ -273,7 +274,7 @@ class LocalDriver(Driver):
 
     async def prepare(self, directory: str) -> None:
         """Start the reader processes when this process has shared memory to read into; decide
-        whether to use direct I/O, by :func:`~tierkv.backends.directio.probe` of ``directory``
+        whether to use direct I/O, by :func:`~tierkv.backends.fsspec._directio.probe` of ``directory``
         (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when ``direct_io`` is True and
         the file system cannot do it."""
         self.root_hint = directory
@@ -296,7 +297,7 @@ class LocalDriver(Driver):
     def features(self) -> dict[str, bool]:
         """What this file system was found to do: ``direct_io`` (records written past the page
         cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes); and
-        ``native_reads``: records are read by the C module (:mod:`~tierkv.backends.batchio`)."""
+        ``native_reads``: records are read by the C module (:mod:`~tierkv.backends.fsspec._batchio`)."""
         return {"direct_io": self.direct, "page_cache_reads": self.nowait,
                 "native_reads": batchio.native() is not None}
 
@@ -414,7 +415,7 @@ class LocalDriver(Driver):
         """Each job runs in a worker thread on the file itself (a scatter read into its rows).
 
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
-        (:mod:`~tierkv.backends.readproc`); what they could not verify is read here. Jobs first
+        (:mod:`~tierkv.backends.fsspec._readproc`); what they could not verify is read here. Jobs first
         run on the CPU-count threads reading only what the page cache holds; those whose record
         must come from the device run again on up to ``depth`` threads that wait for it, so a
         cold batch keeps the device busy without slowing down warm reads. Reads stay buffered

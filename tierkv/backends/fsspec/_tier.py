@@ -40,17 +40,18 @@ import anyio
 import torch
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
-from tierkv.backends.capacity import Ledger
-from tierkv.backends.fsio import (
+from tierkv.backends.fsspec._capacity import Ledger
+from tierkv.backends.fsspec._config import FsspecTierConfig
+from tierkv.backends.fsspec._io import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
     Driver,
     RecordSource,
     temp_owner_alive,
-    unavailable,
 )
-from tierkv.backends.fsopen import default_io_threads, open_driver, url_problem
-from tierkv.backends.fsspec_config import FsspecTierConfig
+from tierkv.backends.fsspec._open import default_io_threads, open_driver, url_problem
+from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
+from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
@@ -64,10 +65,8 @@ from tierkv.backends.namespace import (
     record_path,
 )
 from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
-from tierkv.backends.redact import Redactor, redact_library_logs, redact_url
-from tierkv.backends.remotefs import AsyncDriver, RetryPolicy
 from tierkv.encryption import KeyRing
-from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable
+from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
 from tierkv.record import (
     encode_record_parts,
 )

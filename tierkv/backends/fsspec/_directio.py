@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.backends.fsio import temp_name
+from tierkv.backends.fsspec._io import temp_name
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "O_DIRECT", "UNSUPPORTED", "probe", "write_file"]
 

@@ -1,6 +1,6 @@
 """Batch record I/O in Python: the fallback of the C module ``tierkv._batchio``, same API, same results.
 
-:mod:`tierkv.backends.batchio` documents the API and picks one of the two; the tests run every
+:mod:`tierkv.backends.fsspec._batchio` documents the API and picks one of the two; the tests run every
 case against both. The system calls are the ones the C module makes, one Python call each (each
 releases the GIL while it runs, but the interpreter is taken back between them).
 """
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tierkv.backends import directio
+from tierkv.backends.fsspec import _directio as directio
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "MAX_THREADS", "make_dirs", "read_batch", "write_batch"]
 
@@ -189,7 +189,7 @@ def _read_one(path: str | bytes, views: list[memoryview], direct: bool, nowait: 
 
 def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Buffers], direct: bool = False,
                nowait: bool = False, threads: int = 1) -> list[int]:
-    """See :func:`tierkv.backends.batchio.read_batch`."""
+    """See :func:`tierkv.backends.fsspec._batchio.read_batch`."""
     _check_threads(threads)
     paths, bufs = list(paths), list(bufs)  # copies: __fspath__ may change the caller's lists
     if len(paths) != len(bufs):
@@ -276,7 +276,7 @@ def _write_one(final: bytes, tmp: bytes, views: list[memoryview], fsync: bool, m
 def write_batch(items: Sequence[tuple[Any, Any, Buffers]], fsync: bool = False, mode: int = 0o600,
                 direct: bool = False, direct_min: int = 65536, dir_mode: int | None = None,
                 threads: int = 1) -> tuple[list[int], int, int]:
-    """See :func:`tierkv.backends.batchio.write_batch`."""
+    """See :func:`tierkv.backends.fsspec._batchio.write_batch`."""
     _check_threads(threads)
     if not 0 <= mode <= 0o7777:
         raise ValueError(f"mode must be a permission mode, got {mode}")

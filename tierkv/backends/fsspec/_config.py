@@ -7,8 +7,8 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from tierkv.backends.base import TierConfig
-from tierkv.backends.fsopen import url_problem
-from tierkv.backends.redact import redact_url
+from tierkv.backends.fsspec._open import url_problem
+from tierkv.backends.fsspec._redact import redact_url
 from tierkv.numbers import MAX_WAIT_S
 
 __all__ = ["FsspecTierConfig"]

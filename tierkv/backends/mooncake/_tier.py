@@ -27,7 +27,7 @@ import anyio
 import torch
 
 from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
-from tierkv.backends.mooncake_client import (
+from tierkv.backends.mooncake._client import (
     ABSENT,
     DOWN_CODES,
     NO_AVAILABLE_HANDLE,
@@ -36,7 +36,7 @@ from tierkv.backends.mooncake_client import (
     Verdicts,
     probe_master,
 )
-from tierkv.backends.mooncake_config import MooncakeTierConfig
+from tierkv.backends.mooncake._config import MooncakeTierConfig
 from tierkv.backends.namespace import record_path
 from tierkv.backends.recordread import none_heads
 from tierkv.backends.threads import DaemonPool, Jobs

@@ -1,10 +1,10 @@
 """File I/O behind the ``fsspec`` tier: the driver interface, and what every driver shares.
 
-Three drivers implement :class:`Driver`: :class:`~tierkv.backends.localfs.LocalDriver`
+Three drivers implement :class:`Driver`: :class:`~tierkv.backends.fsspec._local.LocalDriver`
 (``file://`` and plain paths: os calls in worker threads, temporary name + ``os.replace``,
-optional fsync), :class:`~tierkv.backends.remotefs.SyncDriver` (any synchronous fsspec file
+optional fsync), :class:`~tierkv.backends.fsspec._remote.SyncDriver` (any synchronous fsspec file
 system, e.g. ``memory://``: temporary name + move) and
-:class:`~tierkv.backends.remotefs.AsyncDriver` (asynchronous fsspec file systems such as s3fs:
+:class:`~tierkv.backends.fsspec._remote.AsyncDriver` (asynchronous fsspec file systems such as s3fs:
 one PUT publishes a whole object, so no temporary name).
 
 A tier hands each driver the same per-record jobs (:meth:`Driver.write_each`,
@@ -19,7 +19,6 @@ never read as a record: a reader would block in ``open`` beyond any cancel scope
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import socket
@@ -29,9 +28,9 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["DOWN_TYPES", "INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
+__all__ = ["INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
            "Entry", "NoWaitUnsupported", "RecordSource", "SpecialFile", "WouldBlock", "abs_path", "detach",
-           "info_mtime", "temp_name", "temp_owner_alive", "unavailable"]
+           "info_mtime", "temp_name", "temp_owner_alive"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -71,32 +70,6 @@ class RecordSource(Protocol):
 
     def read_all(self, buf: memoryview) -> memoryview | None:
         """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
-
-
-#: errors of a file system that is down or unreachable (a dead FUSE daemon, a lost NFS server)
-_DOWN_ERRNO = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH,
-                         errno.ENETUNREACH, errno.ENETDOWN, errno.EIO, errno.ETIMEDOUT,
-                         errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED})
-#: botocore / aiohttp exceptions of a server that does not answer (matched by class name)
-DOWN_TYPES = frozenset({"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-                         "ConnectTimeoutError", "ConnectionError", "ServerDisconnectedError",
-                         "ClientConnectionError", "ClientOSError", "ProxyConnectionError",
-                         "TimeoutError", "ServerTimeoutError", "TierUnavailable"})
-
-
-def unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` says a tier does not answer now (worth waiting for), rather than that it
-    is set up wrong (a bad setting, a missing bucket, no permission: waiting will not cure it)."""
-    seen = 0
-    e: BaseException | None = exc
-    while e is not None and seen < 8:
-        if isinstance(e, OSError) and e.errno in _DOWN_ERRNO:
-            return True
-        if any(t.__name__ in DOWN_TYPES for t in type(e).__mro__):
-            return True
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return False
 
 
 E = TypeVar("E", bound=BaseException)
