@@ -107,9 +107,10 @@ own baseline (and where a system did not run); tierkv's warm rows add ``reader_r
 the records its reader processes read (the rest were read in its threads).
 bench/peers_compare.py prints every ratio of two such JSON files side by side.
 
-``--quick``: 128 MB per block size, 3 rounds, the systems ``device, vllm-fs, tierkv, tierkv-api,
-lmcache-disk``: two back-to-back runs agree within 15 % on every ratio on a quiet machine (see
-docs/performance.md for what was measured).
+``--quick``: 96 MB per block size, 5 rounds, the full run's calls, the systems ``device, vllm-fs,
+tierkv, tierkv-api, lmcache-disk`` (3-4 minutes on 2 busy CPUs). Two back-to-back runs are meant to
+agree within 15 % on every ratio; on a machine busy with other work they do not, and the run says
+so (``machine load: ... BUSY``, from bench/peers_load.py); docs/performance.md has what was measured.
 
 Guarantees (once per system, 1 MiB blocks; ``--no-guarantees`` skips them):
 ``wrong bytes``: 8 blocks stored, one byte in the middle of one block's file flipped, that block
@@ -171,8 +172,8 @@ GUARD_BLOCK = 1 << 20
 GUARD_N = 8
 #: other processes' CPUs (median over the timed phases) past which a run says it is not decision-grade
 BUSY_CPUS = 0.25
-QUICK_MB = 128.0
-QUICK_REPEATS = 3
+QUICK_MB = 96.0
+QUICK_REPEATS = 5
 #: --quick's systems: the device, the peers and tierkv both ways (the variants on request)
 QUICK_SYSTEMS = ("device", "vllm-fs", "tierkv", "tierkv-api", "lmcache-disk")
 CAP_BLOCKS = 4
@@ -844,7 +845,8 @@ class ChildSystem(System):
 
     def ask(self, op: str, blocks: Blocks, root: str) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        pool = os.path.join(self.workdir, f"pool-{blocks.block_bytes}-{len(blocks.pool)}.npy")
+        # one file per workload (its tag): the guard's, the warm-up's and a size's pools differ
+        pool = os.path.join(self.workdir, f"pool-{blocks.tag}-{blocks.block_bytes}-{len(blocks.pool)}.npy")
         if not os.path.exists(pool):
             np.save(pool, blocks.pool)
         cmd = {"op": op, "root": root, "pool": pool, "calls": blocks.calls, "tag": blocks.tag,

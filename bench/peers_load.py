@@ -6,7 +6,9 @@ systems differ in how much CPU they need per byte). :class:`CpuMeter` reads ``/p
 CPU's busy time, ``steal`` included: time the hypervisor gave elsewhere) and the CPU time of this
 process and all its descendants (``/proc/<pid>/stat``: their threads, and the children they
 reaped) before and after a phase; the difference is what the rest of the machine used, in CPUs.
-Linux only; elsewhere every figure is None.
+Kernel threads count as the rest, including those working for the bench (page-cache writeback,
+I/O completion), so a phase that writes a lot reads a little busier than it was. Linux only;
+elsewhere every figure is None.
 """
 
 from __future__ import annotations
