@@ -1,14 +1,24 @@
 """tierkv's persistent tier against its peers' own persistent tiers: same blocks, same run, same threads.
 
-    .venv/bin/python bench/peers.py [--quick] [--json] [--plot FILE.png] [--repeats 3] [--threads 4]
-        [--sizes 256K,1M,2M] [--mb-per-size 1024] [--calls 16-64] [--inflight 8] [--step-ms 1]
-        [--window-mb 512] [--systems vllm-fs,tierkv,tierkv-zstd,tierkv-buffered,lmcache-disk]
+    .venv/bin/python bench/peers.py [--quick] [--json] [--json-file F.json] [--plot F.png]
+        [--markdown F.md] [--repeats 3] [--threads 4] [--sizes 256K,1M,2M] [--mb-per-size 1024]
+        [--calls 16-64] [--inflight 8] [--step-ms 1] [--window-mb 512]
+        [--systems device,vllm-fs,tierkv,tierkv-zstd,tierkv-buffered,tierkv-api,lmcache-disk]
         [--lmcache-python PY]
         [--vllm-src DIR] [--dir DIR] [--seed 0] [--no-drop] [--no-guarantees] [--timeout S]
         [--patch-tierkv-submit]
 
 Every system is driven through its own code, as its engine drives it, on the same blocks:
 
+- ``device``: the storage itself, measured with fio (the OS package; ``$TIERKV_FIO``, else ``fio``
+  on PATH; bench/peers_device.py) in the same run, in a fresh directory next to the systems' ones, on
+  the same bytes per block size: ``--threads`` threads (one file each) of synchronous I/O
+  (``psync``, queue depth 1 per thread: every system's I/O threads make one blocking call at a
+  time, see Threads below), blocks of the block size, ``O_DIRECT`` (vLLM's fs tier and tierkv
+  write that way; LMCache and ``tierkv-buffered`` write buffered), no fsync (no system here
+  fsyncs; ``+sync`` columns count the ``sync`` after a store); store = the write, cold = reading
+  the same files after the page cache is dropped; no warm figure. Where fio is missing the row is
+  "not installed" with the command that installs it.
 - ``vllm-fs``: vLLM's file-system secondary tier (``vllm/v1/kv_offload/tiering/fs/``, entry
   ``{"type": "fs"}``) under vLLM's ``TieringOffloadingManager`` (built by ``TieringOffloadingSpec``,
   CPU primary in /dev/shm), with the calls the scheduler makes: store = ``on_new_request`` ->
@@ -29,6 +39,12 @@ Every system is driven through its own code, as its engine drives it, on the sam
   fsync; records of 64 KiB and more written with ``O_DIRECT``); ``tierkv-zstd``: the same with
   ``codec: zstd-shuffle``; ``tierkv-buffered``: with ``direct_io: false`` (buffered writes: new
   records stay in the page cache, as LMCache's do).
+- ``tierkv-api``: tierkv driven as LMCache is (bench/peers_tierkv.py): its own batch API in a
+  process of its own, one blocking call at a time: a :class:`tierkv.TieredStore` (a ``cpu`` primary
+  of the same rows in /dev/shm, as the vLLM adapter's, and the ``tierkv`` row's tier settings);
+  store = per call ``put`` of the rows, then ``flush``; load = per call ``lookup_prefix`` then
+  ``get`` into the caller's rows, each load phase in a new store over the same directory (an empty
+  primary). Against ``tierkv`` it separates the tier's speed from the scheduler's path.
 - ``lmcache-disk``: LMCache's ``LocalDiskBackend`` (its ``local_disk`` tier) through its
   storage-backend API, in a child process run with LMCache's own venv (bench/peers_lmcache.py):
   store = per call, ``LocalCPUBackend.allocate`` a staging object per block (waits while the
@@ -52,14 +68,17 @@ the same calls for every system) until ``--mb-per-size`` MB is reached. Every (s
 size, round) gets a fresh directory. The primary (vLLM / tierkv) and LMCache's staging pool have
 the same size: ``--window-mb`` or enough rows for ``--inflight`` calls plus one, whichever is more.
 
-Once every system has started, the harness does what vLLM's engine core does after start-up
+Before the timed rounds every system runs one small untimed phase (16 blocks of the first size):
+thread and process pools, lazily loaded code and first-touched buffers are paid for there, not in
+round 0. Once every system has started, the harness does what vLLM's engine core does after start-up
 (``gc.collect(); gc.freeze()``): without it each full collection during a phase walks the
 start-up heap of vLLM and torch in this process (0.35 s), which the in-process systems (vLLM's
 tier and tierkv's) would pay and LMCache's child process would not.
 
-Phases, per system, block size and round (systems in rotating order from round to round):
-``store`` (all calls; time until every job is reported finished), then ``os.sync`` timed on its
-own (``+sync``: what buffered writers still owe the device; vLLM's fs tier writes with O_DIRECT);
+Phases, per system, block size and round (systems in rotating order from round to round; before
+each, ``sync`` and the page cache dropped, so every phase starts from the same state): ``store``
+(all calls; time until every job is reported finished), then ``os.sync`` timed on its own
+(``+sync``: what buffered writers still owe the device; vLLM's fs tier writes with O_DIRECT);
 ``warm`` load of every block after every file in the system's directory was read once, untimed
 (writers that bypass the page cache, tierkv's and vLLM's ``O_DIRECT`` records, would otherwise
 load from the device; vLLM also reads with O_DIRECT and never uses the cache); ``cold`` load
@@ -73,13 +92,25 @@ Every system's timed phases include one copy per block on this side of its stagi
 the primary row / LMCache object before a store (the GPU->CPU copy), out of it after a load (the
 CPU->GPU copy). Without a GPU these are memcpys on the same CPUs as the I/O threads.
 
-Figures: MB/s = bytes of blocks / wall time of the phase (1 MB = 1e6 bytes), the median over
-``--repeats`` rounds; ``x`` columns = tierkv's MB/s / the system's, the median of the per-round
-ratios (above 1: tierkv is faster). ``--json`` prints one JSON object (the table goes to stderr):
-``results`` rows ``{system, block_bytes, direction, cache, mb_s, ratio_vs_tierkv, status, ...}``,
-``cache`` ``warm``/``cold`` for loads and null for stores, ``ratio_vs_tierkv`` null for tierkv
-itself (and where a system did not run); tierkv's warm rows add ``reader_reads``, per round: the
-records its reader processes read (the rest were read in its threads).
+Figures: MB/s = bytes of blocks / wall time of the phase (1 MB = 1e6 bytes; the device's: fio's
+own rate), the median over ``--repeats`` rounds; every ratio is the median of per-round ratios
+(bench/peers_report.py): ``of dev`` = the system's MB/s / the device's (stores, with and without
+the ``sync``, and cold loads), ``x`` = tierkv's MB/s / the system's, ``xa`` = tierkv-api's MB/s /
+the system's (above 1: tierkv is faster). The first table is against the device, the second the
+``x`` / ``xa`` ratios. ``--json`` prints one JSON object (the table goes to stderr), ``--json-file``
+also writes it to a file, ``--markdown`` writes both tables as markdown and ``--plot`` a bar chart
+(matplotlib, the ``plot`` extra), all from the same results and stamped with the date, the commit
+(``-dirty`` when the work tree had changes) and the command. ``results`` rows ``{system,
+block_bytes, direction, cache, mb_s, ratio_vs_tierkv, ratio_vs_tierkv_api, fraction_of_device,
+status, ...}``, ``cache`` ``warm``/``cold`` for loads and null for stores, a ratio null for its
+own baseline (and where a system did not run); tierkv's warm rows add ``reader_reads``, per round:
+the records its reader processes read (the rest were read in its threads).
+bench/peers_compare.py prints every ratio of two such JSON files side by side.
+
+``--quick``: 96 MB per block size, 5 rounds, the full run's calls, the systems ``device, vllm-fs,
+tierkv, tierkv-api, lmcache-disk`` (3-4 minutes on 2 busy CPUs). Two back-to-back runs are meant to
+agree within 15 % on every ratio; on a machine busy with other work they do not, and the run says
+so (``machine load: ... BUSY``, from bench/peers_load.py); docs/performance.md has what was measured.
 
 Guarantees (once per system, 1 MiB blocks; ``--no-guarantees`` skips them):
 ``wrong bytes``: 8 blocks stored, one byte in the middle of one block's file flipped, that block
@@ -103,6 +134,7 @@ import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 import argparse
 import asyncio
+import datetime
 import faulthandler
 import gc
 import hashlib
@@ -110,7 +142,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,10 +154,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from peers_load import CpuMeter, cpu_pressure
+from peers_report import MB, build_results, markdown, plot, print_table, run_stamp, size_label
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-MB = 1e6
 STAMP = 8
 DEFAULT_LMCACHE_PYTHON = REPO / ".venv-lmcache" / "bin" / "python"
 LMCACHE_ENV = "TIERKV_LMCACHE_PYTHON"
@@ -134,8 +166,16 @@ LMCACHE_INSTALL = ("python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip insta
                    "echo torch==2.13.0 > /tmp/lmcache-c.txt && "
                    ".venv-lmcache/bin/pip install lmcache==0.5.6 -c /tmp/lmcache-c.txt")
 TIERKV = "tierkv"
+TIERKV_API = "tierkv-api"
+DEVICE = "device"
 GUARD_BLOCK = 1 << 20
 GUARD_N = 8
+#: other processes' CPUs (median over the timed phases) past which a run says it is not decision-grade
+BUSY_CPUS = 0.25
+QUICK_MB = 96.0
+QUICK_REPEATS = 5
+#: --quick's systems: the device, the peers and tierkv both ways (the variants on request)
+QUICK_SYSTEMS = ("device", "vllm-fs", "tierkv", "tierkv-api", "lmcache-disk")
 CAP_BLOCKS = 4
 
 
@@ -145,10 +185,6 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     return int(float(text.rstrip("KMG")) * mult)
-
-
-def size_label(n: int) -> str:
-    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K"
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
@@ -278,6 +314,49 @@ def flip_middle_byte(path: str | Path) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+def blocks_of(cmd: dict[str, Any]) -> Blocks:
+    """A child's ``Blocks`` from a command: the pool the parent saved as .npy, the calls, the tag."""
+    return Blocks(np.load(cmd["pool"]), [(int(a), int(b)) for a, b in cmd["calls"]], cmd["tag"])
+
+
+# ---- a child process's side of the JSON-lines protocol (bench/peers_lmcache.py, peers_tierkv.py) --
+def child_channel() -> Callable[[dict[str, Any]], None]:
+    """The child's ``send``: one JSON line on the real stdout; whatever libraries print from now on
+    goes to stderr, never into the protocol."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def send(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    return send
+
+
+def serve_child(send: Callable[[dict[str, Any]], None],
+                handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """Answer each command line on stdin with one line (``{"error": ...}`` when a handler raises)
+    until ``{"op": "quit"}`` or the end of stdin."""
+    import traceback
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        try:
+            send(handlers[cmd["op"]](cmd))
+        except Exception as exc:
+            traceback.print_exc()
+            send({"error": f"{type(exc).__name__}: {exc}"[:500]})
+
+
+def child_signals() -> None:
+    """Ctrl-C at a terminal reaches a child too: it ends at once, silently (the parent reports it)."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
 @dataclass
 class PhaseResult:
     """One system, one block size, one round."""
@@ -294,6 +373,8 @@ class PhaseResult:
     missing: int = 0
     #: records tierkv's reader processes read in the warm load (None: not tierkv)
     warm_reader_reads: int | None = None
+    #: CPUs that processes outside the bench used on average during the phase (bench/peers_load.py)
+    others_cpus: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def verify(self, cache: str, blocks: Blocks, dest: np.ndarray, loaded: np.ndarray) -> None:
@@ -709,34 +790,35 @@ class TierkvBufferedSystem(TierkvSystem):
         self.settings["direct_io"] = False
 
 
-class LMCacheSystem(System):
-    """LMCache's LocalDiskBackend, in a child process with LMCache's venv (bench/peers_lmcache.py)."""
+class ChildSystem(System):
+    """A system served by a worker process (``script``, run with ``python``) speaking the JSON-lines
+    protocol of :func:`serve_child`: the harness sends the blocks' pool and calls, the child stores,
+    loads and verifies them and answers with a :class:`PhaseResult`."""
 
-    name = "lmcache-disk"
-    driven_by = "LMCache LocalDiskBackend (child process, its own venv)"
+    script = ""
 
-    def __init__(self, cfg: RunConfig, python: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, python: str) -> None:
         super().__init__(cfg)
-        self.python = os.environ.get(LMCACHE_ENV) or python or str(DEFAULT_LMCACHE_PYTHON)
+        self.python = python
         self.proc: subprocess.Popen[str] | None = None
         self.log: Path | None = None
         self.workdir = ""
-        self.settings = {"disk_io_threads": cfg.threads, "use_odirect": False, "python": self.python}
 
     def unavailable(self) -> str | None:
         if not os.access(self.python, os.X_OK):
             return f"{self.python} not found"
         return None
 
-    def install_hint(self) -> str:
-        return f"{LMCACHE_INSTALL}   (or set {LMCACHE_ENV} to an LMCache venv's python)"
+    def command(self) -> dict[str, Any]:
+        """What every command to the child carries besides the blocks."""
+        return {}
 
     def start(self) -> None:
-        fd, log = tempfile.mkstemp(prefix="peers-lmcache-", suffix=".log")
+        fd, log = tempfile.mkstemp(prefix=f"peers-{self.name}-", suffix=".log")
         os.close(fd)
         self.log = Path(log)
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([self.python, str(BENCH_DIR / "peers_lmcache.py")],
+            self.proc = subprocess.Popen([self.python, str(BENCH_DIR / self.script)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, bufsize=1)
 
@@ -744,10 +826,10 @@ class LMCacheSystem(System):
         assert self.proc is not None and self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the LMCache child exited ({self.proc.poll()}): {self.log_tail()}")
+            raise RuntimeError(f"the {self.name} child exited ({self.proc.poll()}): {self.log_tail()}")
         out: dict[str, Any] = json.loads(line)
         if out.get("error"):
-            raise RuntimeError(f"LMCache child: {out['error']}")
+            raise RuntimeError(f"{self.name} child: {out['error']}")
         return out
 
     def log_tail(self) -> str:
@@ -759,17 +841,19 @@ class LMCacheSystem(System):
         hello = self._reply()
         if not hello.get("ready"):
             raise RuntimeError(hello.get("why", "not ready"))
-        self.version = f"lmcache {hello['version']}, torch {hello['torch']}"
+        self.version = str(hello["version"])
 
     def ask(self, op: str, blocks: Blocks, root: str) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        pool = os.path.join(self.workdir, f"pool-{blocks.block_bytes}.npy")
+        # one file per workload (its tag): the guard's, the warm-up's and a size's pools differ
+        pool = os.path.join(self.workdir, f"pool-{blocks.tag}-{blocks.block_bytes}-{len(blocks.pool)}.npy")
         if not os.path.exists(pool):
             np.save(pool, blocks.pool)
         cmd = {"op": op, "root": root, "pool": pool, "calls": blocks.calls, "tag": blocks.tag,
                "threads": self.cfg.threads, "inflight": self.cfg.inflight,
                "staging_bytes": primary_rows(self.cfg, blocks.block_bytes) * blocks.block_bytes,
-               "drop": self.cfg.drop, "timeout_s": self.cfg.timeout_s, "cap_blocks": CAP_BLOCKS}
+               "drop": self.cfg.drop, "timeout_s": self.cfg.timeout_s, "cap_blocks": CAP_BLOCKS,
+               **self.command()}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._reply()
@@ -800,6 +884,95 @@ class LMCacheSystem(System):
             self.log.unlink(missing_ok=True)
 
 
+class LMCacheSystem(ChildSystem):
+    """LMCache's LocalDiskBackend, in a child process with LMCache's venv (bench/peers_lmcache.py)."""
+
+    name = "lmcache-disk"
+    driven_by = "LMCache LocalDiskBackend (child process, its own venv)"
+    script = "peers_lmcache.py"
+
+    def __init__(self, cfg: RunConfig, python: str | None = None) -> None:
+        super().__init__(cfg, os.environ.get(LMCACHE_ENV) or python or str(DEFAULT_LMCACHE_PYTHON))
+        self.settings = {"disk_io_threads": cfg.threads, "use_odirect": False, "python": self.python}
+
+    def install_hint(self) -> str:
+        return f"{LMCACHE_INSTALL}   (or set {LMCACHE_ENV} to an LMCache venv's python)"
+
+
+class TierkvApiSystem(ChildSystem):
+    """tierkv's own batch API (``TieredStore`` put / lookup_prefix / get) in a child process of this
+    venv, driven as LMCache's backend is (bench/peers_tierkv.py): blocking batch calls, one at a time."""
+
+    name = TIERKV_API
+    driven_by = "tierkv TieredStore put/lookup_prefix/get (child process, blocking batch calls)"
+    script = "peers_tierkv.py"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg, sys.executable)
+        t = cfg.threads
+        self.settings = {"io_threads": t, "io_depth": t, "read_concurrency": t, "codec": "none",
+                         "shed_after_s": 3600.0, "primary": "cpu tier in /dev/shm (reader processes on)"}
+
+    def command(self) -> dict[str, Any]:
+        tier = {k: v for k, v in self.settings.items() if k != "primary"}
+        return {"tier_settings": tier, "shm": True}
+
+
+class DeviceSystem(System):
+    """The storage itself: fio in the same directory at the same block size and threads, ``O_DIRECT``,
+    no fsync (bench/peers_device.py). Store: one file per thread, ``--threads`` threads of
+    synchronous writes (queue depth 1 each: every system's I/O threads make one blocking call at a
+    time); cold: the same files read back after the page cache is dropped. No warm figure."""
+
+    name = DEVICE
+    driven_by = "fio: threads = --threads, psync (queue depth 1 each), O_DIRECT, no fsync, 1 file per thread"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        from peers_device import fio_path
+
+        self.binary = fio_path()
+        self.settings = {"numjobs": cfg.threads, "iodepth": 1, "ioengine": "psync", "direct": 1,
+                         "fsync": 0, "end_fsync": 0, "fallocate": "none", "files": cfg.threads}
+
+    def unavailable(self) -> str | None:
+        return None if self.binary else "fio not found (Debian/Ubuntu: apt-get install fio)"
+
+    def install_hint(self) -> str:
+        return "apt-get install fio   (or set TIERKV_FIO to a fio binary)"
+
+    def start(self) -> None:
+        from peers_device import fio_version
+
+        assert self.binary is not None
+        self.version = fio_version(self.binary)
+        self.settings["binary"] = self.binary
+
+    def phase(self, blocks: Blocks, root: str) -> PhaseResult:
+        from peers_device import fio
+
+        assert self.binary is not None
+        res = PhaseResult()
+        jobs, bs = self.cfg.threads, blocks.block_bytes
+        per_job = -(-blocks.total_bytes // (jobs * bs)) * bs
+        os.sync()
+        w = fio(self.binary, root, "write", bs, per_job, jobs, timeout=self.cfg.timeout_s)
+        res.store_s = blocks.total_bytes / w.bw_bytes
+        t0 = time.perf_counter()
+        os.sync()
+        res.sync_s = time.perf_counter() - t0
+        res.files, res.file_bytes, res.disk_bytes = tree_bytes(root)
+        res.cold_dropped = drop_caches() if self.cfg.drop else False
+        r = fio(self.binary, root, "read", bs, per_job, jobs, timeout=self.cfg.timeout_s)
+        res.cold_s = blocks.total_bytes / r.bw_bytes
+        res.notes.append(f"fio wrote {w.io_bytes / MB:.0f} MB in {w.runtime_ms} ms,"
+                         f" read {r.io_bytes / MB:.0f} MB in {r.runtime_ms} ms")
+        return res
+
+    def guarantees(self, blocks: Blocks, root: str) -> dict[str, Any]:
+        raise NotImplementedError("the device has no guarantees to check")
+
+
 def _patched(system: TierkvSystem, args: argparse.Namespace) -> TierkvSystem:
     system.patched = bool(args.patch_tierkv_submit)
     return system
@@ -807,10 +980,12 @@ def _patched(system: TierkvSystem, args: argparse.Namespace) -> TierkvSystem:
 
 #: name -> factory. SGLang's HiCacheFile (or any other system) is one more System subclass here.
 SYSTEMS: dict[str, Callable[[RunConfig, argparse.Namespace], System]] = {
+    DEVICE: lambda cfg, a: DeviceSystem(cfg),
     "vllm-fs": lambda cfg, a: VllmFsSystem(cfg),
     TIERKV: lambda cfg, a: _patched(TierkvSystem(cfg), a),
     "tierkv-zstd": lambda cfg, a: _patched(TierkvZstdSystem(cfg), a),
     "tierkv-buffered": lambda cfg, a: _patched(TierkvBufferedSystem(cfg), a),
+    TIERKV_API: lambda cfg, a: TierkvApiSystem(cfg),
     "lmcache-disk": lambda cfg, a: LMCacheSystem(cfg, a.lmcache_python),
 }
 
@@ -878,129 +1053,76 @@ def remember_loop(mgr: Any) -> None:
             lt._peers_loop = lt.portal.call(_running_loop)
 
 
-# ---- report -------------------------------------------------------------------------------------
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
+# ---- the run ----------------------------------------------------------------------------------
+def fmt_cpus(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f}"
 
 
-def build_results(names: list[str], sizes: list[int], samples: dict[tuple[str, int], list[PhaseResult]],
-                  status: dict[str, str], n_bytes: dict[int, int]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for size in sizes:
-        base = samples.get((TIERKV, size), [])
-        for name in names:
-            s = samples.get((name, size), [])
-            for direction, cache, attr in (("store", None, "store_s"), ("load", "warm", "warm_s"),
-                                           ("load", "cold", "cold_s")):
-                row: dict[str, Any] = {"system": name, "block_bytes": size, "direction": direction,
-                                       "cache": cache, "mb_s": None, "ratio_vs_tierkv": None,
-                                       "status": status[name], "raw_bytes": n_bytes.get(size)}
-                if s:
-                    mbs = [n_bytes[size] / MB / getattr(r, attr) for r in s]
-                    row["mb_s"] = median(mbs)
-                    row["rounds_mb_s"] = mbs
-                    row["verified"] = all(r.bad == 0 and r.missing == 0 for r in s)
-                    if name != TIERKV and len(base) == len(s):
-                        row["ratio_vs_tierkv"] = median([getattr(r, attr) / getattr(b, attr)
-                                                         for r, b in zip(s, base, strict=True)])
-                    if direction == "store":
-                        row["mb_s_with_sync"] = median([n_bytes[size] / MB / (r.store_s + r.sync_s)
-                                                        for r in s])
-                        row["disk_bytes"] = int(median([r.disk_bytes for r in s]) or 0)
-                        row["file_bytes"] = int(median([r.file_bytes for r in s]) or 0)
-                        row["files"] = s[-1].files
-                    if cache == "cold":
-                        row["page_cache_dropped"] = all(r.cold_dropped for r in s)
-                    if cache == "warm" and s[0].warm_reader_reads is not None:
-                        row["reader_reads"] = [r.warm_reader_reads for r in s]  # per round
-                rows.append(row)
-    return rows
+def machine_load(samples: dict[tuple[str, int], list[PhaseResult]], pressure: str | None) -> dict[str, Any]:
+    """How much CPU the rest of the machine took during the timed phases, and whether that makes the
+    figures unfit to decide on (more than ``BUSY_CPUS`` CPUs, the median over phases)."""
+    xs = sorted(r.others_cpus for rs in samples.values() for r in rs if r.others_cpus is not None)
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "cpu_pressure_at_start": pressure,
+                           "others_cpus_median": None, "others_cpus_max": None, "busy": None}
+    if not xs:
+        out["summary"] = "machine load: unknown (no /proc)"
+        return out
+    med = xs[len(xs) // 2]
+    out.update(others_cpus_median=med, others_cpus_max=xs[-1], busy=med > BUSY_CPUS)
+    summary = (f"machine load: other processes used {med:.2f} of {os.cpu_count()} CPUs during the"
+               f" timed phases (median; max {xs[-1]:.2f})")
+    if med > BUSY_CPUS:
+        summary += (f"; BUSY (over {BUSY_CPUS}): the systems competed for CPU with other work, and their"
+                    " ratios move with it from run to run: not figures to decide on")
+    out["summary"] = summary
+    return out
 
 
-def fmt(x: float | None, spec: str = "8.0f") -> str:
-    width = int(spec.split(".")[0])
-    return f"{x:{spec}}" if x is not None else f"{'-':>{width}}"
-
-
-def print_table(results: list[dict[str, Any]], sizes: list[int], names: list[str],
-                systems: list[dict[str, Any]], guards: dict[str, dict[str, Any]], out: Any) -> None:
-    by = {(r["system"], r["block_bytes"], r["direction"], r["cache"]): r for r in results}
-    hdr = (f"{'system':<17}{'block':>6}{'store':>8}{'+sync':>8}{'warm':>8}{'cold':>8}{'disk MB':>9}"
-           f"{'raw/disk':>9}{'x store':>9}{'x warm':>8}{'x cold':>8}")
-    print("\nMB/s, median of rounds; x = tierkv MB/s / system MB/s (median of per-round ratios)", file=out)
-    print(hdr, file=out)
-    print("-" * len(hdr), file=out)
-    st = {s["system"]: s for s in systems}
-    for size in sizes:
-        for name in names:
-            if st[name]["status"] != "ok":
-                continue
-            s, w, c = (by[(name, size, "store", None)], by[(name, size, "load", "warm")],
-                       by[(name, size, "load", "cold")])
-            disk = s.get("disk_bytes")
-            raw = disk and s.get("raw_bytes", 0) / disk
-            print(f"{name:<17}{size_label(size):>6}{fmt(s['mb_s'])}{fmt(s.get('mb_s_with_sync'))}"
-                  f"{fmt(w['mb_s'])}{fmt(c['mb_s'])}{fmt(disk / MB if disk else None, '9.0f')}"
-                  f"{fmt(raw or None, '9.3f')}{fmt(s['ratio_vs_tierkv'], '9.2f')}"
-                  f"{fmt(w['ratio_vs_tierkv'], '8.2f')}{fmt(c['ratio_vs_tierkv'], '8.2f')}", file=out)
-    for s in systems:
-        if s["status"] != "ok":
-            extra = f"; install: {s['install']}" if s.get("install") else ""
-            print(f"{s['system']:<17}{s['status']}: {s['detail']}{extra}", file=out)
-    if guards:
-        hdr = f"{'system':<17}{'wrong bytes (1 flipped byte)':<32}{'capacity bound':<42}restart reuse"
-        print("\nguarantees (1 MiB blocks)", file=out)
-        print(hdr, file=out)
-        print("-" * (len(hdr) + 12), file=out)
-        for name, g in guards.items():
-            if "error" in g:
-                print(f"{name:<17}error: {g['error']}", file=out)
-                continue
-            print(f"{name:<17}{g['wrong_bytes']:<32}{g['capacity']:<42}{g['restart']}", file=out)
-
-
-def plot(path: str, results: list[dict[str, Any]], sizes: list[int], names: list[str]) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot: matplotlib is not installed (pip install matplotlib); no plot written to {path}"
-    by = {(r["system"], r["block_bytes"], r["direction"], r["cache"]): r["mb_s"] for r in results}
-    phases = [("store", None), ("load", "warm"), ("load", "cold")]
-    fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 4), sharey=False)
-    width = 0.8 / max(1, len(names))
-    for ax, (direction, cache) in zip(axes, phases, strict=True):
-        for j, name in enumerate(names):
-            ys = [by.get((name, s, direction, cache)) or 0.0 for s in sizes]
-            ax.bar([i + j * width for i in range(len(sizes))], ys, width, label=name)
-        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(sizes))],
-                      [size_label(s) for s in sizes])
-        ax.set_title(f"{direction}{' ' + cache if cache else ''}")
-        ax.set_ylabel("MB/s")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot written to {path}"
+def warm_up(systems: dict[str, System], runnable: list[str], status: dict[str, str], detail: dict[str, str],
+            failures: list[str], size: int, seed: int, workroot: str, dog: Watchdog, out: Any) -> None:
+    """One small untimed phase per system before the timed rounds: the first phase of a system pays
+    once-only costs (thread and process pools started, modules and code paths loaded, the first
+    touch of its buffers) that no later round pays, and it would pay them inside round 0."""
+    blocks = Blocks(kv_pool(8, size, seed + 99), [(0, 8), (8, 8)], f"warmup-{seed}-{size}")
+    t0 = time.perf_counter()
+    for n in runnable:
+        root = os.path.join(workroot, f"warmup-{n}")
+        os.makedirs(root)
+        dog.arm(f"{n}: warm-up")
+        try:
+            systems[n].phase(blocks, root)
+        except Exception as exc:
+            status[n], detail[n] = "failed", f"{type(exc).__name__}: {exc}"[:500]
+            failures.append(f"{n} warm-up: {detail[n]}")
+        finally:
+            dog.disarm()
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"warm-up (one untimed phase of 16 blocks per system): {time.perf_counter() - t0:.0f} s", file=out)
 
 
 # ---- main ---------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny workload (a few MB per block size)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smaller workload ({QUICK_MB:.0f} MB per block size, {QUICK_REPEATS} rounds)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
-    ap.add_argument("--plot", metavar="FILE.png", help="bar chart (needs matplotlib)")
-    ap.add_argument("--repeats", type=int, help="rounds (default 3; --quick 1)")
+    ap.add_argument("--json-file", metavar="FILE.json", help="also write that JSON object to FILE")
+    ap.add_argument("--plot", metavar="FILE.png", help="bar chart of the same results (needs matplotlib)")
+    ap.add_argument("--markdown", metavar="FILE.md", help="the tables as markdown (docs/performance.md's)")
+    ap.add_argument("--repeats", type=int, help=f"rounds (default 3; --quick {QUICK_REPEATS})")
     ap.add_argument("--threads", type=int, default=4, help="I/O threads per system (see the doc)")
     ap.add_argument("--sizes", default="256K,1M,2M", help="block sizes")
-    ap.add_argument("--mb-per-size", type=float, help="MB stored per block size (default 1024; --quick 8)")
-    ap.add_argument("--calls", help="blocks per call, LO-HI (default 16-64; --quick 2-8)")
+    ap.add_argument("--mb-per-size", type=float,
+                    help=f"MB stored per block size (default 1024; --quick {QUICK_MB:.0f})")
+    ap.add_argument("--calls", help="blocks per call, LO-HI (default 16-64)")
     ap.add_argument("--inflight", type=int, default=8, help="load requests in flight (vLLM / tierkv)")
     ap.add_argument("--step-ms", type=float, default=1.0,
                     help="load: a step without progress is followed by the next this long after it began")
-    ap.add_argument("--window-mb", type=float, help="primary / staging size (default 512; --quick 32)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"from {','.join(SYSTEMS)}")
+    ap.add_argument("--window-mb", type=float,
+                    help=f"primary / staging size (default 512; --quick {QUICK_MB / 2:.0f}: half the data,"
+                         " as 512 is of 1024)")
+    ap.add_argument("--systems",
+                    help=f"from {','.join(SYSTEMS)} (default: all; --quick: {','.join(QUICK_SYSTEMS)})")
     ap.add_argument("--lmcache-python", help=f"LMCache venv's python (${LMCACHE_ENV} wins)")
     ap.add_argument("--vllm-src", help="put this vLLM source tree first on sys.path (e.g. /work/vllm033-src)")
     ap.add_argument("--dir", type=benchmain.directory,
@@ -1012,16 +1134,16 @@ def main() -> int:
     ap.add_argument("--patch-tierkv-submit", action="store_true",
                     help="work around tierkv's submit-under-lock deadlock (see patch_tierkv_submit)")
     args = ap.parse_args()
-    repeats = args.repeats or (1 if args.quick else 3)
-    mb_per_size = args.mb_per_size or (8.0 if args.quick else 1024.0)
-    calls = args.calls or ("2-8" if args.quick else "16-64")
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else 3)
+    mb_per_size = args.mb_per_size or (QUICK_MB if args.quick else 1024.0)
+    calls = args.calls or "16-64"
     try:
         lo, hi = (int(x) for x in calls.split("-"))
     except ValueError:
         ap.error(f"--calls: LO-HI, two whole numbers (got {calls!r})")
     if not 1 <= lo <= hi:
         ap.error(f"--calls: 1 <= LO <= HI (got {calls!r})")
-    window = int((args.window_mb or (32.0 if args.quick else 512.0)) * MB)
+    window = int((args.window_mb or (QUICK_MB / 2 if args.quick else 512.0)) * MB)
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
     except ValueError:
@@ -1033,9 +1155,9 @@ def main() -> int:
                         ("--step-ms", args.step_ms), ("--timeout", args.timeout)):
         if value is not None and value <= 0:
             ap.error(f"{name} must be positive (got {value})")
-    names = [s for s in args.systems.split(",") if s]
+    names = [s for s in (args.systems or ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)).split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
-    if unknown or TIERKV not in names:
+    if unknown or TIERKV not in names:  # tierkv is every x column's numerator
         ap.error(f"--systems: unknown {unknown}" if unknown else "--systems must include tierkv")
     if args.threads < 2:
         ap.error("--threads must be at least 2 (vLLM's fs tier gets ceil(T/2) + floor(T/2))")
@@ -1070,6 +1192,10 @@ def main() -> int:
         status[n], detail[n] = ("not installed", why) if why else ("ok", "")
     workroot = tempfile.mkdtemp(prefix="tkpeers-", dir=args.dir)
     t_start = time.perf_counter()
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    code = run_stamp(REPO)
+    command = "bench/peers.py " + " ".join(sys.argv[1:])
+    stamp = f"{when}, commit {code['commit']}: {command}"
     # start every system first (the LMCache child imports while this process imports vLLM)
     dog.arm("starting the systems")
     for order in (lambda s: s.start(), lambda s: s.ready()):
@@ -1077,7 +1203,7 @@ def main() -> int:
             if status[n] != "ok":
                 continue
             try:
-                if isinstance(s, LMCacheSystem):
+                if isinstance(s, ChildSystem):
                     s.workdir = workroot
                 order(s)
             except Exception as exc:
@@ -1104,7 +1230,7 @@ def main() -> int:
     if not args.no_guarantees:
         gblocks = Blocks(kv_pool(4, GUARD_BLOCK, args.seed + 7), [(0, 3 * CAP_BLOCKS)], f"guard-{args.seed}")
         for n, s in systems.items():
-            if status[n] != "ok":
+            if status[n] != "ok" or n == DEVICE:
                 continue
             root = os.path.join(workroot, f"guard-{n}")
             os.makedirs(root)
@@ -1119,6 +1245,9 @@ def main() -> int:
     n_bytes: dict[int, int] = {}
     failures: list[str] = []
     runnable = [n for n in names if status[n] == "ok"]
+    meter = CpuMeter()
+    pressure_at_start = cpu_pressure()
+    warm_up(systems, runnable, status, detail, failures, sizes[0], args.seed, workroot, dog, out)
     for si, size in enumerate(sizes):
         calls = make_calls(int(mb_per_size * MB), size, lo, hi, args.seed)
         n_blocks = sum(k for _, k in calls)
@@ -1134,9 +1263,13 @@ def main() -> int:
                     continue
                 root = os.path.join(workroot, f"{n}-{size}-{rnd}")
                 os.makedirs(root)
+                if cfg.drop:  # every phase starts from the same page cache: nothing dirty, nothing cached
+                    drop_caches()
                 dog.arm(f"{n}: {size_label(size)} round {rnd}")
                 try:
+                    before = meter.sample()
                     res = systems[n].phase(blocks, root)
+                    res.others_cpus = meter.others(before, meter.sample())
                 except Exception as exc:
                     status[n], detail[n] = "failed", f"{type(exc).__name__}: {exc}"[:500]
                     failures.append(f"{n} {size_label(size)}: {detail[n]}")
@@ -1146,10 +1279,12 @@ def main() -> int:
                     shutil.rmtree(root, ignore_errors=True)
                 samples.setdefault((n, size), []).append(res)
                 mbs = blocks.total_bytes / MB
+                warm = f"{mbs / res.warm_s:7.0f}" if res.warm_s > 0 else f"{'-':>7}"
                 print(f"  round {rnd} {n:<17} store {mbs / res.store_s:7.0f} (+sync {res.sync_s:5.2f} s)"
-                      f" warm {mbs / res.warm_s:7.0f} cold {mbs / res.cold_s:7.0f} MB/s"
+                      f" warm {warm} cold {mbs / res.cold_s:7.0f} MB/s"
                       f"{'' if res.cold_dropped else ' (page cache NOT dropped)'}"
-                      f"  disk {res.disk_bytes / MB:.0f} MB  {'; '.join(res.notes)}",
+                      f"  disk {res.disk_bytes / MB:.0f} MB  others {fmt_cpus(res.others_cpus)} CPUs"
+                      f"  {'; '.join(res.notes)}",
                       file=out)
                 if res.bad or res.missing:
                     failures.append(f"{n} {size_label(size)} round {rnd}: " + "; ".join(res.notes))
@@ -1157,7 +1292,8 @@ def main() -> int:
         s.close()
     shutil.rmtree(workroot, ignore_errors=True)
 
-    results = build_results(names, sizes, samples, status, n_bytes)
+    results = build_results(names, sizes, samples, status, n_bytes, tierkv=TIERKV, tierkv_api=TIERKV_API,
+                            device=DEVICE)
     sys_rows = []
     for n, s in systems.items():
         row = {"system": n, "status": status[n], "detail": detail[n], "version": s.version,
@@ -1170,27 +1306,39 @@ def main() -> int:
             failures.append(f"{n} guarantees: {g['error']}")
     verified = not failures and all(r.get("verified", True) for r in results)
     dropped = all(r.get("page_cache_dropped", True) for r in results)
-    print_table(results, sizes, names, sys_rows, guards, out)
+    print_table(results, sizes, names, sys_rows, guards, out, stamp)
     if not dropped:
         print("NOTE: the page cache could not be dropped (not root?): 'cold' loads read a warm cache",
               file=out)
+    machine = machine_load(samples, pressure_at_start)
+    print(machine["summary"], file=out)
     for f in failures:
         print(f"FAILED: {f}", file=out)
     print(f"verified: {'every loaded byte equals the stored byte' if verified else 'NO'};"
           f" {time.perf_counter() - t_start:.0f} s", file=out)
+    ran = [n for n in names if status[n] == "ok"]
     if args.plot:
-        print(plot(args.plot, results, sizes, [n for n in names if status[n] == "ok"]), file=out)
-    if json_out is not None:
-        report = {"bench": "peers", "args": vars(args), "quick": args.quick, "repeats": repeats,
+        print(plot(args.plot, results, sizes, ran, stamp, DEVICE), file=out)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, sizes, ran, stamp))
+        print(f"markdown tables written to {args.markdown}", file=out)
+    if json_out is not None or args.json_file:
+        report = {"bench": "peers", "date": when, **code, "command": command,
+                  "args": vars(args), "quick": args.quick, "repeats": repeats,
                   "threads": args.threads, "mb_per_size": mb_per_size, "calls": [lo, hi],
                   "block_sizes": sizes, "cpus": os.cpu_count(), "platform": platform.platform(),
                   "page_cache_dropped": dropped, "verified": verified, "failures": failures,
+                  "machine": machine,
                   "tierkv_submit_patched": bool(args.patch_tierkv_submit),
                   "systems": sys_rows, "results": results,
                   "guarantees": [{"system": n, **g} for n, g in guards.items()],
                   "phases": {f"{n}/{size}": [asdict(r) for r in rs] for (n, size), rs in samples.items()}}
-        json_out.write(json.dumps(report) + "\n")
-        json_out.flush()
+        if args.json_file:
+            Path(args.json_file).write_text(json.dumps(report, indent=1) + "\n")
+            print(f"JSON written to {args.json_file}", file=out)
+        if json_out is not None:
+            json_out.write(json.dumps(report) + "\n")
+            json_out.flush()
     return 0 if verified else 1
 
 

@@ -33,14 +33,11 @@ hash>, bfloat16)``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -159,16 +156,12 @@ def load(d: Disk, keys: list[Any], calls: list[tuple[int, int]], dest: np.ndarra
     return time.perf_counter() - t0
 
 
-def blocks_of(cmd: dict[str, Any]) -> peers.Blocks:
-    return peers.Blocks(np.load(cmd["pool"]), [tuple(c) for c in cmd["calls"]], cmd["tag"])
-
-
 def staging(cmd: dict[str, Any], block_bytes: int) -> int:
     return int(cmd["staging_bytes"]) + 4 * block_bytes
 
 
 def phase(cmd: dict[str, Any]) -> dict[str, Any]:
-    blocks = blocks_of(cmd)
+    blocks = peers.blocks_of(cmd)
     keys = make_keys(blocks)
     res = peers.PhaseResult()
     os.sync()
@@ -196,7 +189,7 @@ def phase(cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def guarantees(cmd: dict[str, Any]) -> dict[str, Any]:
-    blocks = blocks_of(cmd)
+    blocks = peers.blocks_of(cmd)
     keys = make_keys(blocks)
     bb, n, timeout = blocks.block_bytes, peers.GUARD_N, cmd["timeout_s"]
     stage = staging(cmd, bb)
@@ -235,13 +228,7 @@ def guarantees(cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever libraries print goes to stderr, never into the protocol
-
-    def send(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
+    send = peers.child_channel()
     try:
         import lmcache._version
         import lmcache.v1.storage_backend.local_disk_backend
@@ -253,21 +240,11 @@ def main() -> int:
         if name.startswith("lmcache"):
             logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("lmcache").setLevel(logging.ERROR)
-    send({"ready": True, "version": lmcache._version.__version__, "torch": torch.__version__})
-    handlers = {"phase": phase, "guarantees": guarantees}
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("op") == "quit":
-            break
-        try:
-            send(handlers[cmd["op"]](cmd))
-        except Exception as exc:
-            traceback.print_exc()
-            send({"error": f"{type(exc).__name__}: {exc}"[:500]})
+    send({"ready": True, "version": f"lmcache {lmcache._version.__version__}, torch {torch.__version__}"})
+    peers.serve_child(send, {"phase": phase, "guarantees": guarantees})
     return 0
 
 
 if __name__ == "__main__":
-    # Ctrl-C at a terminal reaches this child too: it ends at once, silently (bench/peers.py reports it)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    peers.child_signals()
     sys.exit(main())

@@ -1,26 +1,34 @@
-"""bench/peers.py --quick --json, as the CI runs it: the report's shape, and every system that can run
-here ran and had its loaded bytes verified by the harness (not a timed test: no figure is judged).
+"""bench/peers.py on a tiny workload (8 MB per block size, one round, every system), as the CI runs
+it: the report's shape, every system that can run here ran and had its loaded bytes verified by the
+harness, and the JSON, the markdown tables and the plot written by that one command say the same
+(not a timed test: no figure is judged, only how the figures relate).
 
-tierkv and vLLM's fs tier run in the project venv. LMCache runs in its own venv: the one named by
-``$TIERKV_LMCACHE_PYTHON``, else ``.venv-lmcache/bin/python`` at the repo root; with neither, the
+tierkv (both ways: vLLM's manager, and its own API in a child process) and vLLM's fs tier run in the
+project venv; the device row needs fio (the OS package). LMCache runs in its own venv: the one named
+by ``$TIERKV_LMCACHE_PYTHON``, else ``.venv-lmcache/bin/python`` at the repo root; with neither, the
 harness must say "not installed" (with the install command) and still succeed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "peers.py"
-ALWAYS = ("vllm-fs", "tierkv", "tierkv-zstd", "tierkv-buffered")
+ALWAYS = ("vllm-fs", "tierkv", "tierkv-zstd", "tierkv-buffered", "tierkv-api")
 LMCACHE = "lmcache-disk"
+DEVICE = "device"
+SYSTEMS = (DEVICE, *ALWAYS, LMCACHE)
 SIZES = (256 << 10, 1 << 20, 2 << 20)
 PHASES = (("store", None), ("load", "warm"), ("load", "cold"))
 
@@ -30,10 +38,22 @@ def lmcache_expected() -> bool:
     return os.access(py, os.X_OK)
 
 
+def fio_expected() -> bool:
+    return any(p and os.access(p, os.X_OK) for p in (os.environ.get("TIERKV_FIO"), shutil.which("fio"),
+                                                      "/usr/bin/fio"))
+
+
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("peers-out")
+
+
+@pytest.fixture(scope="module")
+def report(outputs: Path) -> dict[str, Any]:
+    cmd = [sys.executable, str(BENCH), "--quick", "--mb-per-size", "8", "--repeats", "1", "--window-mb", "32",
+           "--calls", "2-8", "--systems", ",".join(SYSTEMS), "--json", "--json-file", str(outputs / "r.json"),
+           "--markdown", str(outputs / "r.md"), "--plot", str(outputs / "r.png")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     tail = proc.stderr[-4000:]
     assert proc.returncode == 0, f"bench/peers.py exited {proc.returncode}:\n{tail}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -55,9 +75,14 @@ def test_every_runnable_system_ran_and_was_verified(report: dict[str, Any]) -> N
     assert report["verified"] is True, report["failures"]
     assert report["failures"] == []
     status = {s["system"]: s for s in report["systems"]}
-    assert set(status) == {*ALWAYS, LMCACHE}
+    assert set(status) == set(SYSTEMS)
     for name in ALWAYS:
         assert status[name]["status"] == "ok", status[name]
+    if fio_expected():
+        assert status[DEVICE]["status"] == "ok", status[DEVICE]
+    else:
+        assert status[DEVICE]["status"] == "not installed", status[DEVICE]
+        assert "fio" in status[DEVICE]["install"]
     if lmcache_expected():
         assert status[LMCACHE]["status"] == "ok", status[LMCACHE]
     else:
@@ -71,14 +96,16 @@ def test_every_runnable_system_ran_and_was_verified(report: dict[str, Any]) -> N
             assert len(rounds) == report["repeats"] >= 1
             for r in rounds:  # the harness compared every loaded byte with the stored one
                 assert r["bad"] == 0 and r["missing"] == 0, (name, size, r)
-                assert r["store_s"] > 0 and r["warm_s"] > 0 and r["cold_s"] > 0
+                assert r["store_s"] > 0 and r["cold_s"] > 0
+                assert r["warm_s"] > 0 if name != DEVICE else r["warm_s"] == 0  # fio has no warm load
 
 
 @pytest.mark.slow
 def test_results_shape(report: dict[str, Any]) -> None:
     status = {s["system"]: s["status"] for s in report["systems"]}
     rows = report["results"]
-    keys = {"system", "block_bytes", "direction", "cache", "mb_s", "ratio_vs_tierkv"}
+    keys = {"system", "block_bytes", "direction", "cache", "mb_s", "ratio_vs_tierkv", "ratio_vs_tierkv_api",
+            "fraction_of_device"}
     by: dict[tuple[str, int, str, str | None], dict[str, Any]] = {}
     for row in rows:
         assert keys <= set(row), row
@@ -92,15 +119,24 @@ def test_results_shape(report: dict[str, Any]) -> None:
         if status[name] != "ok":
             assert row["mb_s"] is None and row["ratio_vs_tierkv"] is None
             continue
-        assert isinstance(row["mb_s"], float) and row["mb_s"] > 0
         assert row["verified"] is True
-        if name == "tierkv":
-            assert row["ratio_vs_tierkv"] is None
+        if name == DEVICE and cache == "warm":  # the device has no warm load: no figure, no ratio
+            assert row["mb_s"] is None and row["ratio_vs_tierkv"] is None
+            assert row["fraction_of_device"] is None
+            continue
+        assert isinstance(row["mb_s"], float) and row["mb_s"] > 0
+        # one round: each ratio is exactly one MB/s over another of the same size and phase
+        for base, key in (("tierkv", "ratio_vs_tierkv"), ("tierkv-api", "ratio_vs_tierkv_api")):
+            if name == base:
+                assert row[key] is None
+            else:
+                assert row[key] == pytest.approx(by[(base, size, direction, cache)]["mb_s"] / row["mb_s"],
+                                                 rel=1e-6)
+        dev = by[(DEVICE, size, direction, cache)]["mb_s"]
+        if name == DEVICE or dev is None:  # a system's share of the device: stores and cold loads
+            assert row["fraction_of_device"] is None
         else:
-            tk = by[("tierkv", size, direction, cache)]["mb_s"]
-            assert isinstance(row["ratio_vs_tierkv"], float) and row["ratio_vs_tierkv"] > 0
-            # one round in --quick: the ratio is exactly tierkv's MB/s over this system's
-            assert row["ratio_vs_tierkv"] == pytest.approx(tk / row["mb_s"], rel=1e-6)
+            assert row["fraction_of_device"] == pytest.approx(row["mb_s"] / dev, rel=1e-6)
         if direction == "store":
             assert row["disk_bytes"] > 0 and row["raw_bytes"] > 0
         if name.startswith("tierkv") and cache == "warm":  # how many records helpers read, per round
@@ -116,15 +152,85 @@ def test_results_shape(report: dict[str, Any]) -> None:
 def test_guarantees_reported(report: dict[str, Any]) -> None:
     ran = {s["system"] for s in report["systems"] if s["status"] == "ok"}
     guards = {g["system"]: g for g in report["guarantees"]}
-    assert set(guards) == ran
+    assert set(guards) == ran - {DEVICE}  # fio stores nothing to check
     for g in guards.values():
         assert {"wrong_bytes_detected", "capacity_held", "restart_reuse"} <= set(g), g
-    for name in ("tierkv", "tierkv-zstd", "tierkv-buffered"):  # tierkv's own promises
+    for name in ("tierkv", "tierkv-zstd", "tierkv-buffered", "tierkv-api"):  # tierkv's own promises
         g = guards[name]
         assert g["wrong_bytes_detected"] is True, g
         assert g["capacity_held"] is True, g
         assert g["restart_reuse"] is True, g
     assert guards["vllm-fs"]["capacity_held"] is None  # the fs tier has no capacity setting
+
+
+@pytest.mark.slow
+def test_the_json_file_markdown_and_plot_come_from_the_printed_run(report: dict[str, Any],
+                                                                   outputs: Path) -> None:
+    """One command writes the JSON, the markdown tables and the PNG from the same results, each
+    stamped with the run's date and commit."""
+    saved = json.loads((outputs / "r.json").read_text())
+    assert saved["results"] == report["results"] and saved["date"] == report["date"]
+    assert report["commit"] and report["commit"] != "unknown" and report["date"].endswith("UTC")
+    assert "--quick" in report["command"]
+    md = (outputs / "r.md").read_text()
+    assert report["date"] in md.splitlines()[0] and report["commit"] in md.splitlines()[0]
+    for row in report["results"]:  # every system's store MB/s of the JSON is a cell of the table
+        if row["direction"] == "store" and row["mb_s"] is not None:
+            assert f"| {row['system']} | " in md and f"| {row['mb_s']:,.0f} |" in md, row
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (outputs / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib is not installed" in report["_stderr"]
+
+
+def test_ratios_are_paired_within_rounds_and_the_device_has_no_warm_figure() -> None:
+    """A ratio is the median of per-round ratios, not a ratio of medians; the device row's warm
+    figure is absent (fio reads the device only), so no system has a warm share of it."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from peers_report import build_results
+
+    def rnd(store: float, warm: float, cold: float) -> SimpleNamespace:
+        return SimpleNamespace(store_s=store, sync_s=0.0, warm_s=warm, cold_s=cold, bad=0, missing=0,
+                               disk_bytes=1, file_bytes=1, files=1, cold_dropped=True, warm_reader_reads=None)
+
+    size = 1 << 20
+    samples = {("device", size): [rnd(1.0, 0.0, 1.0), rnd(2.0, 0.0, 1.0), rnd(1.0, 0.0, 4.0)],
+               ("tierkv", size): [rnd(2.0, 1.0, 2.0), rnd(2.0, 1.0, 2.0), rnd(4.0, 1.0, 2.0)],
+               ("tierkv-api", size): [rnd(4.0, 2.0, 2.0), rnd(4.0, 2.0, 2.0), rnd(4.0, 2.0, 2.0)]}
+    status = dict.fromkeys(("device", "tierkv", "tierkv-api"), "ok")
+    rows = build_results(list(status), [size], samples, status, {size: 4_000_000}, tierkv="tierkv",
+                         tierkv_api="tierkv-api", device="device")
+    by = {(r["system"], r["cache"] or "store"): r for r in rows}
+    # store: tierkv's rounds take 2, 2, 4 s against the device's 1, 2, 1: shares 0.5, 1.0, 0.25
+    assert by[("tierkv", "store")]["fraction_of_device"] == pytest.approx(0.5)
+    # tierkv's MB/s over tierkv-api's: 4/2, 4/2, 4/4 -> 2.0; the other way round 0.5, 0.5, 1.0 -> 0.5
+    assert by[("tierkv-api", "store")]["ratio_vs_tierkv"] == pytest.approx(2.0)
+    assert by[("tierkv", "store")]["ratio_vs_tierkv_api"] == pytest.approx(0.5)
+    assert by[("tierkv", "cold")]["fraction_of_device"] == pytest.approx(0.5)  # 0.5, 0.5, 2.0
+    assert by[("device", "warm")]["mb_s"] is None
+    assert by[("tierkv", "warm")]["fraction_of_device"] is None
+    assert by[("tierkv", "warm")]["mb_s"] == pytest.approx(4.0)
+
+
+def test_compare_flags_a_ratio_that_moved_past_the_tolerance(tmp_path: Path) -> None:
+    """bench/peers_compare.py: exit 0 when every shared ratio of two runs is within the tolerance,
+    1 (naming the ratio) when one is not."""
+    def run(x: float) -> dict[str, Any]:
+        return {"bench": "peers", "date": "d", "commit": "c", "command": "q", "results": [
+            {"system": "vllm-fs", "block_bytes": 1 << 20, "direction": "store", "cache": None,
+             "ratio_vs_tierkv": x, "ratio_vs_tierkv_api": 1.0, "fraction_of_device": 0.5}]}
+
+    paths = []
+    for i, x in enumerate((1.0, 1.1, 1.3)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(run(x)))
+    compare = [sys.executable, str(REPO / "bench" / "peers_compare.py")]
+    ok = subprocess.run([*compare, str(paths[0]), str(paths[1])], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "3 ratios; 0 apart" in ok.stdout
+    bad = subprocess.run([*compare, str(paths[0]), str(paths[2])], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "vllm-fs" in bad.stdout and "<-- over" in bad.stdout and "1 apart by more than 15%" in bad.stdout
 
 
 @pytest.mark.parametrize("flags", [["--sizes", "3Q"], ["--sizes", "5001"], ["--calls", "x"],
