@@ -58,19 +58,9 @@ import anyio
 import torch
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
+from tierkv.tools.bench.tier import drop_caches
 
 MIB = 1 << 20
-
-
-def drop_caches() -> bool:
-    """Drop the page cache; False when this process may not."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def hashes_for(tag: str, n: int) -> list[bytes]:

@@ -6,8 +6,9 @@ first use, so ``import tierkv.transfer`` (torch only) does not pull in the rest 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
     from tierkv.config import StoreConfig
@@ -76,13 +77,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _WHERE)
 
 
 def __dir__() -> list[str]:

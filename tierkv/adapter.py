@@ -25,8 +25,9 @@ store).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
     from tierkv.backends.base import TierContext
@@ -121,13 +122,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'tierkv.adapter' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where[0]), where[1])
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _WHERE)
 
 
 def __dir__() -> list[str]:

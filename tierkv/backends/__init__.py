@@ -6,8 +6,9 @@ Names are imported on first use, so a module that needs none of them (a reader p
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
     from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
@@ -29,10 +30,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tierkv.backends' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _WHERE)

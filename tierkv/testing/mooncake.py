@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tierkv.errors import install_hint
-from tierkv.testing.processes import kill_group, spawn
+from tierkv.testing.processes import free_ports, kill_group, spawn
 
 __all__ = ["OS_PACKAGES", "MooncakeMaster", "StorageNode", "find_master", "missing"]
 
@@ -59,19 +59,6 @@ def missing() -> str | None:
     return None
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class MooncakeMaster:
     """One ``mooncake_master`` process on 127.0.0.1."""
 
@@ -82,7 +69,7 @@ class MooncakeMaster:
         if binary is None:
             raise FileNotFoundError(missing() or "no mooncake_master")
         self.binary = binary
-        self.port, self.metrics_port = _free_ports(2)
+        self.port, self.metrics_port = free_ports(2)
         self.log_path = Path(log_dir) / f"mooncake-master-{self.port}.log"
         self.args = ["--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
                      f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={lease_ms}",
@@ -145,7 +132,7 @@ class StorageNode:
         binary = find_master("mooncake_client")
         if binary is None:
             raise FileNotFoundError(f"no mooncake_client binary; {install_hint('mooncake')}")
-        (self.port,) = _free_ports(1)
+        (self.port,) = free_ports(1)
         self.log_path = master.log_path.with_name(f"mooncake-node-{self.port}.log")
         self.cmd = [binary, f"--master_server_address={master.endpoint}", "--host=127.0.0.1",
                     f"--port={self.port}", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE",

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import IO, Any
 
 from tierkv.errors import TierKVError
 
-__all__ = ["CHILD_ERROR", "child_failure", "kill_group", "run_child", "spawn"]
+__all__ = ["CHILD_ERROR", "child_failure", "free_ports", "kill_group", "run_child", "spawn"]
 
 try:  # loaded up front: no dlopen in a child between fork and exec
     _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -69,3 +70,17 @@ def child_failure(what: str, stderr: str) -> TierKVError:
         if line.startswith(CHILD_ERROR):
             return TierKVError(f"{what}: {line[len(CHILD_ERROR):]}")
     return TierKVError(f"{what}: {stderr.strip()[-500:] or 'it exited with no message'}")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now (for servers the tests start)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

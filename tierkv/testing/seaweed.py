@@ -51,7 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tierkv.testing.processes import spawn
+from tierkv.testing.processes import free_ports, spawn
 
 __all__ = ["FAST_FAIL_CONFIG", "MISSING_BINARY", "SeaweedServer", "find_weed"]
 
@@ -88,19 +88,6 @@ def find_weed() -> str | None:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return shutil.which("weed")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def sweep_stale_sockets() -> None:
@@ -262,7 +249,7 @@ class SeaweedServer:
         self.data_dir.mkdir(exist_ok=True)
         last: Exception | None = None
         for _ in range(3):
-            self.ports = dict(zip(self.PORT_NAMES, _free_ports(len(self.PORT_NAMES)), strict=True))
+            self.ports = dict(zip(self.PORT_NAMES, free_ports(len(self.PORT_NAMES)), strict=True))
             try:
                 t0 = self._spawn()
                 self._wait_ready(t0, timeout)

@@ -18,8 +18,9 @@ Names are imported on first use: a reader process imports ``_local`` without tor
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
     from tierkv.backends.fsspec._config import FsspecTierConfig
@@ -35,10 +36,4 @@ _WHERE = {
 __all__ = ["FsspecTier", "FsspecTierConfig", "redact_url"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tierkv.backends.fsspec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _WHERE)
