@@ -219,6 +219,30 @@ def _chunks(n: int, parts: int) -> list[range]:
     return [range(i, min(n, i + step)) for i in range(0, n, step)]
 
 
+def read_whole(path: str, limit: int) -> bytes | None:
+    """A whole small file (at most ``limit + 1`` bytes: a longer one shows); None when absent."""
+    fd = _open_record(path)
+    if fd is None:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
+        chunks, total = [], 0
+        while total <= limit:
+            got = os.read(fd, min(limit + 1 - total, 1 << 22))
+            if not got:
+                break
+            chunks.append(got)
+            total += len(got)
+        return b"".join(chunks)
+    except OSError as exc:
+        if exc.errno in _NOT_REGULAR:
+            raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
+        raise
+    finally:
+        os.close(fd)
+
+
 class LocalDriver(Driver):
     """Local (or mounted: NFS, any shared directory) file system through os calls.
 
@@ -559,32 +583,9 @@ class LocalDriver(Driver):
         """Write the batch in chunks over the worker threads."""
         return await self.map(lambda i: self._write_one(*items[i]), len(items), buffers=False)
 
-    @staticmethod
-    def _read_one(path: str, limit: int) -> bytes | None:
-        fd = _open_record(path)
-        if fd is None:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
-            chunks, total = [], 0
-            while total <= limit:
-                got = os.read(fd, min(limit + 1 - total, 1 << 22))
-                if not got:
-                    break
-                chunks.append(got)
-                total += len(got)
-            return b"".join(chunks)
-        except OSError as exc:
-            if exc.errno in _NOT_REGULAR:
-                raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
-            raise
-        finally:
-            os.close(fd)
-
     async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
         """Read the batch in chunks over the worker threads."""
-        return await self.map(lambda i: self._read_one(paths[i], limit), len(paths), buffers=False)
+        return await self.map(lambda i: read_whole(paths[i], limit), len(paths), buffers=False)
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """One worker thread stats the whole batch."""

@@ -52,6 +52,7 @@ from tierkv.backends.fsspec._io import (
 from tierkv.backends.fsspec._open import default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
+from tierkv.backends.fsspec._verdicts import Refusals, sort_reads
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
@@ -82,8 +83,6 @@ LISTED_KEYS_MAX = 1 << 18
 #: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
 #: not fatal (records already there stay readable)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-#: read verdicts of sound records this store may not serve, and the counter of each
-_NOT_OURS = {"encrypted": "encrypted_misses", "plaintext": "unencrypted_misses"}
 
 
 class FsspecTier(Tier):
@@ -118,8 +117,8 @@ class FsspecTier(Tier):
         self._reading = 0
         #: the encryption keys (``encryption_key_file``), loaded at open
         self._ring: KeyRing | None = None
-        #: verdicts already logged once (records this store may not serve: ``encrypted``, ``plaintext``)
-        self._said: set[str] = set()
+        #: records this store may not serve (another key's, or plaintext with read_unencrypted off)
+        self._refusals = Refusals(self.describe, self.count, lambda: self._ring is not None)
 
     def describe(self) -> str:
         """The URL without credentials."""
@@ -407,31 +406,22 @@ class FsspecTier(Tier):
             inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
         verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes,
                                                inplace)
-        found: list[bool] = []
-        corrupt, read_paths, read_sizes = [], [], []
-        errors: list[BaseException] = []
-        for path, k, v in zip(paths, keys, verdicts, strict=True):
-            if type(v) is int:
-                found.append(True)
-                read_paths.append(path)
-                read_sizes.append(v)
-                continue
-            found.append(False)
-            if isinstance(v, BaseException):
-                self.count("read_errors")
-                errors.append(v)
-            elif v is None:
-                self._ledger.forget(path)
-            elif v in _NOT_OURS:
-                self._not_ours(v, k)
-            else:
-                self.count("corrupt")
-                self.count(f"corrupt_{v}")
-                log.warning("corrupt record (%s) in %s: %s removed", v, self.describe(), k.hex())
-                corrupt.append(path)
-        self._warn_batch("reading records", errors, len(keys))
+        reads = sort_reads(paths, keys, verdicts)
+        if reads.errors:
+            self.count("read_errors", len(reads.errors))
+        for path in reads.absent:
+            self._ledger.forget(path)
+        for k, verdict in reads.refused:
+            self._refusals.refused(k, verdict)
+        corrupt = []
+        for path, k, reason in reads.corrupt:
+            self.count("corrupt")
+            self.count(f"corrupt_{reason}")
+            log.warning("corrupt record (%s) in %s: %s removed", reason, self.describe(), k.hex())
+            corrupt.append(path)
+        self._warn_batch("reading records", reads.errors, len(keys))
         # records not known yet were another process's, or not listed yet
-        learned, touch = self._ledger.read_many(read_paths[::-1], read_sizes[::-1], time.time())
+        learned, touch = self._ledger.read_many(reads.read_paths[::-1], reads.read_sizes[::-1], time.time())
         touch.reverse()  # in key order again: the first the newest (see the driver's touch_many)
         if corrupt:
             for path in corrupt:
@@ -449,25 +439,7 @@ class FsspecTier(Tier):
                 self._warn("refreshing records", exc)
         if learned:
             await self._evict()
-        return found
-
-    def _not_ours(self, verdict: str, key: bytes) -> None:
-        """A sound record this store may not serve: a counted miss, left in place (it may be
-        another tenant's), said once per kind."""
-        name = _NOT_OURS[verdict]
-        self.count(name)
-        if verdict in self._said:
-            return
-        self._said.add(verdict)
-        if verdict == "plaintext":
-            why = "they are not encrypted and read_unencrypted is false"
-        elif self._ring is None:
-            why = "they are encrypted and this store has no encryption_key_file"
-        else:
-            why = ("they are encrypted with a key this store does not hold (another tenant's, or a "
-                   "retired key)")
-        log.warning("records in %s cannot be served: %s (first: %s); they are misses, counted as %s, "
-                    "and stay in place", self.describe(), why, key.hex(), name)
+        return reads.found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Whether each record exists (a later ``get`` still verifies it).

@@ -1,0 +1,82 @@
+"""What a batch of record reads came to, per record: read and verified (its size), absent (None),
+damaged (the reason), not this store's to serve (``encrypted`` / ``plaintext``), or failed (the
+error). :func:`sort_reads` sorts them for the tier; :class:`Refusals` counts the records a store
+may not serve and says so once per kind."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["NOT_OURS", "Reads", "Refusals", "sort_reads"]
+
+log = logging.getLogger("tierkv")
+
+#: verdicts of sound records this store may not serve -> the counter of each
+NOT_OURS = {"encrypted": "encrypted_misses", "plaintext": "unencrypted_misses"}
+
+
+@dataclass
+class Reads:
+    """A batch's reads, sorted (paths in key order)."""
+
+    found: list[bool] = field(default_factory=list)
+    read_paths: list[str] = field(default_factory=list)
+    read_sizes: list[int] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    #: (path, key, reason) of damaged records
+    corrupt: list[tuple[str, bytes, str]] = field(default_factory=list)
+    #: (key, verdict) of sound records this store may not serve
+    refused: list[tuple[bytes, str]] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+
+def sort_reads(paths: Sequence[str], keys: Sequence[bytes], verdicts: Sequence[object]) -> Reads:
+    """Sort each record's verdict (see the module docstring)."""
+    out = Reads()
+    for path, k, v in zip(paths, keys, verdicts, strict=True):
+        if type(v) is int:
+            out.found.append(True)
+            out.read_paths.append(path)
+            out.read_sizes.append(v)
+            continue
+        out.found.append(False)
+        if isinstance(v, BaseException):
+            out.errors.append(v)
+        elif v is None:
+            out.absent.append(path)
+        elif v in NOT_OURS:
+            out.refused.append((k, str(v)))
+        else:
+            out.corrupt.append((path, k, str(v)))
+    return out
+
+
+class Refusals:
+    """Sound records a store may not serve: counted misses, left in place (they may be another
+    tenant's), said once per kind."""
+
+    def __init__(self, describe: Callable[[], str], count: Callable[[str], None],
+                 has_key: Callable[[], bool]) -> None:
+        self._describe = describe
+        self._count = count
+        self._has_key = has_key
+        self._said: set[str] = set()
+
+    def refused(self, key: bytes, verdict: str) -> None:
+        """Count one, and say why the first time."""
+        name = NOT_OURS[verdict]
+        self._count(name)
+        if verdict in self._said:
+            return
+        self._said.add(verdict)
+        if verdict == "plaintext":
+            why = "they are not encrypted and read_unencrypted is false"
+        elif not self._has_key():
+            why = "they are encrypted and this store has no encryption_key_file"
+        else:
+            why = ("they are encrypted with a key this store does not hold (another tenant's, or a "
+                   "retired key)")
+        log.warning("records in %s cannot be served: %s (first: %s); they are misses, counted as %s, "
+                    "and stay in place", self._describe(), why, key.hex(), name)
