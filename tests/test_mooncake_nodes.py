@@ -9,6 +9,7 @@ bytes).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +160,17 @@ def test_simulate_nodes_on_a_mooncake_cluster(tmp_path: Path) -> None:
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         lines = bad.stderr.strip().splitlines()
         assert len(lines) == 1 and "master bounds the pool" in lines[0], bad.stderr
+
+
+def test_simulate_on_a_master_that_does_not_answer_fails_in_one_line() -> None:
+    """The shared tier is what ``simulate`` exercises: when it never answers, the run fails (exit 2,
+    one line naming the endpoint), instead of reporting every node's blocks missing as "ok"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "tierkv.cli", "simulate", "--nodes", "2", "--url",
+                           f"mooncake://127.0.0.1:{port}", "--documents", "1", "--blocks", "2"],
+                          capture_output=True, text=True, timeout=START_S + WORK_S, env=process_tests._env())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "required" in lines[0], proc.stderr

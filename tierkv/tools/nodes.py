@@ -55,6 +55,7 @@ def _config(spec: dict[str, Any]) -> dict[str, Any]:
                 "rescan_s": spec.get("rescan_s", 2.0)}
     if spec.get("capacity_bytes"):
         tier["capacity_bytes"] = spec["capacity_bytes"]
+    tier["required"] = True  # the shared tier is what is simulated: one that does not answer fails the run
     return {"layout": _layout(spec["block_bytes"]), "namespace": "tierkv-simulate-nodes",
             "tiers": [{"kind": "cpu", "slots": {GROUP: spec["blocks"] + 8}}, tier]}
 

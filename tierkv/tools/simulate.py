@@ -61,7 +61,7 @@ class Scenario:
         """The lower tier's config."""
         assert self.url is not None
         return {"kind": "fsspec", "url": self.url, "storage_options": self.storage_options,
-                "codec": self.codec, "negative_ttl_s": 30.0}
+                "codec": self.codec, "negative_ttl_s": 30.0, "required": True}
 
     def store_config(self) -> dict[str, Any]:
         """The reader's store config: small primary pools over the lower tier."""
