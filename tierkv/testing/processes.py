@@ -63,13 +63,18 @@ def run_child(main: Callable[[], object]) -> None:
         sys.exit(2)
 
 
-def child_failure(what: str, stderr: str) -> TierKVError:
+def child_failure(what: str, stderr: str, returncode: int | None = None) -> TierKVError:
     """The error a parent raises for a failed child: its one-line reason when :func:`run_child` gave
-    one, else the end of its stderr."""
+    one, else the end of its stderr (and how it ended, when it said nothing)."""
     for line in reversed(stderr.splitlines()):
         if line.startswith(CHILD_ERROR):
             return TierKVError(f"{what}: {line[len(CHILD_ERROR):]}")
-    return TierKVError(f"{what}: {stderr.strip()[-500:] or 'it exited with no message'}")
+    ended = "it exited with no message"
+    if returncode is not None and returncode < 0:
+        ended = f"it was killed by signal {-returncode} with no message"
+    elif returncode is not None:
+        ended = f"it exited with status {returncode} and no message"
+    return TierKVError(f"{what}: {stderr.strip()[-500:] or ended}")
 
 
 def free_ports(n: int) -> list[int]:

@@ -140,7 +140,7 @@ def _write_in_subprocess(sc: Scenario) -> None:
     proc = subprocess.run([sys.executable, "-m", "tierkv.tools.simulate", "--write", params],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise child_failure("the writer process failed", proc.stderr)
+        raise child_failure("the writer process failed", proc.stderr, proc.returncode)
 
 
 async def _restore(store: TieredStore, sc: Scenario, r: RequestResult, hs: list[bytes], k: int) -> None:
