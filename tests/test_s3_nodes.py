@@ -6,7 +6,6 @@ run ``tests/s3_node.py``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -156,8 +155,9 @@ IN_FLIGHT_RECORDS_PER_NODE = BATCH
 #: how long the tier may take, once writers are quiet, to get within capacity + margin (a tier-wide
 #: bound may act in the background, e.g. after re-listing the shared namespace)
 QUIET_S = 10.0
-#: the bound must not be met by discarding (nearly) everything
-MIN_KEPT_FRACTION = 0.5
+#: the bound must not be met by discarding more than the excess (nodes that ordered records each
+#: their own way kept 42-63% on obstore and 83-97% on s3fs; one order for all keeps 100-115%)
+MIN_KEPT_FRACTION = 0.8
 
 
 def _record_len() -> int:
@@ -170,9 +170,6 @@ def _record_len() -> int:
 def test_nodes_writing_at_once_keep_the_shared_tier_within_capacity(shared: Shared, tmp_path: Path) -> None:
     """3 nodes write 3x the tier's ``capacity_bytes`` between them; once they are quiet the shared
     bucket / directory holds at most ``capacity_bytes`` plus the in-flight margin."""
-    if os.environ.get(ENV_CLIENT) == "obstore":
-        pytest.skip("known bug (#36): on the obstore client three writers over-evict the shared bucket "
-                    "(one CI run kept 101,568 of 253,920 bytes); obstore is opt-in until it is fixed")
     record = _record_len()
     capacity = CAPACITY_RECORDS * record
     margin = NODES * IN_FLIGHT_RECORDS_PER_NODE * record

@@ -128,15 +128,14 @@ class Ledger:
         longer has (another process removed them).
         """
         during = [(p, s, t) for p, s in self._order.items() if (t := self._mtime.get(p, 0.0)) >= listed_at]
-        # A file system's times are coarse (records written in one tick tie): for the records it
-        # knows, this node's own clock and order say which was used last.
-        known, rank = self._mtime, {p: i for i, p in enumerate(self._order)}
-        listed = sorted((max(t, known.get(path, t)), rank.get(path, -1), path, size)
-                        for t, path, size in records)
+        # Every node sharing the tier must agree on the order, or nodes evicting at once each take
+        # different records and together take far more than the excess: only what every node
+        # sees (the storage's time, then the name where times tie) orders what the listing has.
+        listed = sorted((t, path, size) for t, path, size in records)
         order: OrderedDict[str, int] = OrderedDict()
         mtime: dict[str, float] = {}
         n = 0
-        for t, _, path, size in listed:
+        for t, path, size in listed:
             if path in self._deleted:
                 continue
             order[path] = size
