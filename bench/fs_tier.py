@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from tierkv.backends.base import Tier, TierContext
-from tierkv.backends.fsspec._tier import FsspecTier, default_io_threads
+from tierkv.backends.fsspec._tier import FsspecTier, default_io_depth, default_io_threads
 from tierkv.backends.registry import get_backend
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
@@ -228,7 +228,7 @@ def one_group_layout(block_bytes: int) -> Layout:
 
 def local_threads(a: argparse.Namespace) -> int:
     """The worker threads of the bench's file:// tiers."""
-    return int(a.io_threads or default_io_threads(local=True))
+    return int(a.io_threads or default_io_threads())
 
 
 def rotate(items: list[Any], k: int) -> list[Any]:
@@ -591,7 +591,7 @@ class S3Bench:
             await s3.__aexit__(None, None, None)
 
     async def round(self, rnd: int) -> None:
-        a, fs, conc = self.args, self.fs, self.args.io_threads or default_io_threads(local=False)
+        a, fs, conc = self.args, self.fs, self.args.io_threads or default_io_depth(local=False)
         s = self.s if rnd else None
         keys = [make_key(h, GROUP) for h in hashes_for(f"s3{rnd}", self.n)]
         raw_paths = [f"bench-raw/r{rnd}/{k.hex()}.bin" for k in keys]
@@ -645,7 +645,7 @@ class S3Bench:
                  f"moto ThreadedMotoServer (127.0.0.1, {proc})")
         print(f"\ns3:// on {where}: {self.n} blocks x {a.block_kib} KiB "
               f"({total / 1e6:,.0f} MB), codec none, "
-              f"{a.io_threads or default_io_threads(local=False)} requests "
+              f"{a.io_threads or default_io_depth(local=False)} requests "
               f"in flight (io_threads) on both sides")
         print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}{'x fastest':>12}")
         fig: dict[str, Any] = {}

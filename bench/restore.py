@@ -291,7 +291,7 @@ async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrenc
 
 
 def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
-    from tierkv.backends.fsspec._open import default_io_threads
+    from tierkv.backends.fsspec._open import default_io_depth
 
     n = max(1, (args.s3_total_mib * MIB) // block)
     data = torch.randint(0, 256, (n, block), dtype=torch.uint8)
@@ -309,7 +309,7 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     anyio.run(write, cfg, hashes, data)
     paths = [f"{bucket}/{k}" for k in sorted(server.objects(bucket, "kv/")) if k.endswith(".tkv")]
     assert len(paths) == n, (len(paths), n)
-    concurrency = args.io_threads or default_io_threads(local=False)
+    concurrency = args.io_threads or default_io_depth(local=False)
     rounds = []
     for _ in range(args.repeats):
         raw = anyio.run(raw_s3_loop, options, paths, concurrency)

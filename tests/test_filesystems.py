@@ -295,10 +295,10 @@ async def test_verify_never_calls_sound_what_the_stores_read_path_cannot_read(
         await store.flush()
     assert (await verify_tier(f"file://{tmp_path}")).ok == 4
 
-    def refused(self: Any, buf: Any) -> Any:  # plain reads work, the store's read path does not
+    def refused(self: Any, bufs: Any) -> Any:  # whole reads work, the store's scatter reads do not
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(localfs.LocalSource, "read_all", refused)
+    monkeypatch.setattr(localfs.LocalSource, "readinto", refused)
     report = await verify_tier(f"file://{tmp_path}")
     assert report.ok == 0 and len(report.errors) == 4
     assert all("the store's read path" in p.detail for p in report.errors)

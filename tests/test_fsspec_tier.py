@@ -399,13 +399,13 @@ async def test_the_background_listing_waits_while_reads_are_in_flight(tmp_path: 
     tier = make_tier(f"file://{tmp_path}")
     await tier.open()
     gate = anyio.Event()
-    real = tier.driver.read_each
+    real = tier.driver.read_records
 
     async def held(*args: Any) -> Any:
         await gate.wait()  # a read that takes its time
         return await real(*args)
 
-    tier.driver.read_each = held  # type: ignore[method-assign]
+    tier.driver.read_records = held  # type: ignore[method-assign]
     out = torch.zeros((8, BB), dtype=torch.uint8)
     got: list[list[bool]] = []
 

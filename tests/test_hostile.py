@@ -304,7 +304,7 @@ async def test_a_full_disk_at_open_still_serves_the_records_there(tmp_path: Path
     async def full(self: Any, path: str, data: bytes) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Driver, "write_small", full)
+    monkeypatch.setattr(Driver, "write_file", full)
     async with TieredStore(file_cfg(tmp_path)) as store:
         out = torch.zeros_like(data)
         await store.get(FULL, hashes(2), out)

@@ -22,6 +22,7 @@ from test_fsspec_tier import logs
 from tierkv import TieredStore
 from tierkv.backends.fsspec._obstore import ENV_CLIENT, s3_store_config
 from tierkv.backends.fsspec._open import open_driver
+from tierkv.backends.fsspec._outcomes import Failed, Written
 from tierkv.backends.fsspec._remote import AsyncDriver, RequestDriver, RetryPolicy, transient
 from tierkv.cli import main as cli_main
 from tierkv.errors import ConfigError, unavailable
@@ -67,11 +68,11 @@ async def test_slowdown_or_a_dropped_connection_is_retried_then_served(
     async with opened(f"s3://{bucket}/kv", seaweed.storage_options(endpoint_url=proxy.endpoint_url),
                       client) as d:
         proxy.fail(mode, 2)
-        assert await d.read_many([path], 100) == [b"a record"]
+        assert await d.read_files([path], 100) == [b"a record"]
         # aiohttp (s3fs) tries a request on a dropped connection once more by itself
         assert proxy.failed == 2 and (d.retries == 2 if mode == "slowdown" else 1 <= d.retries <= 2)
         proxy.fail(mode, 1)
-        assert await d.write_many([(f"{bucket}/kv/y.tkv", b"written")]) == [None]
+        assert await d.write_records([f"{bucket}/kv/y.tkv"], lambda _: [b"written"], 7) == [Written(7)]
         assert proxy.failed == 3
     assert seaweed.objects(bucket)["kv/y.tkv"] == len(b"written")
 
@@ -84,7 +85,9 @@ async def test_slowdown_past_the_attempts_is_a_busy_error_not_a_down_server(
     async with opened(f"s3://{bucket}/kv", seaweed.storage_options(endpoint_url=proxy.endpoint_url),
                       client) as d:
         proxy.fail("slowdown", 100)
-        (got,) = await d.read_many([path], 100)
+        (failed,) = await d.read_files([path], 100)
+    assert isinstance(failed, Failed), repr(failed)
+    got = failed.error
     assert isinstance(got, OSError) and got.errno == errno.EBUSY, repr(got)
     assert transient(got) and not unavailable(got)
     assert proxy.failed == FAST.attempts and d.retries == FAST.attempts - 1
@@ -100,8 +103,10 @@ async def test_a_server_that_stops_answering_costs_the_request_deadline_and_read
                       client, policy) as d:
         proxy.fail("hang", 100)
         t0 = time.monotonic()
-        (got,) = await d.read_many([path], 100)
+        (failed,) = await d.read_files([path], 100)
         elapsed = time.monotonic() - t0
+    assert isinstance(failed, Failed), repr(failed)
+    got = failed.error
     assert isinstance(got, TimeoutError), repr(got)
     assert unavailable(got) and elapsed < 3.0 and proxy.failed == 2
 
@@ -112,8 +117,8 @@ async def test_a_refused_connection_reads_as_down(seaweed: SeaweedServer, client
     with FaultProxy(seaweed.ports["s3"]) as gone:
         endpoint = gone.endpoint_url  # a port nobody listens on once the proxy stops
     async with opened("s3://bucket/kv", seaweed.storage_options(endpoint_url=endpoint), client) as d:
-        (got,) = await d.read_many(["bucket/kv/x.tkv"], 100)
-        assert isinstance(got, BaseException) and unavailable(got) and transient(got), repr(got)
+        (got,) = await d.read_files(["bucket/kv/x.tkv"], 100)
+        assert isinstance(got, Failed) and unavailable(got.error) and transient(got.error), repr(got)
         assert d.retries == FAST.attempts - 1
 
 
@@ -124,11 +129,12 @@ async def test_missing_objects_listings_and_deletes_match(seaweed: SeaweedServer
     and times; deletes ignore absent objects; an empty object reads as b''."""
     bucket = seaweed.new_bucket()
     async with opened(f"s3://{bucket}/kv", seaweed.storage_options(), client) as d:
-        assert await d.write_many([(f"{bucket}/kv/a/1.tkv", b"one"), (f"{bucket}/kv/a/2.tkv", b""),
-                                   (f"{bucket}/kv/b/3.tkv", [b"th", b"ree"])]) == [None] * 3
-        got = await d.read_many([f"{bucket}/kv/a/1.tkv", f"{bucket}/kv/a/2.tkv", f"{bucket}/kv/none.tkv"], 10)
+        pieces = [[b"one"], [b""], [b"th", b"ree"]]
+        assert await d.write_records([f"{bucket}/kv/a/1.tkv", f"{bucket}/kv/a/2.tkv", f"{bucket}/kv/b/3.tkv"],
+                                     lambda i: pieces[i], 6) == [Written(3), Written(0), Written(5)]
+        got = await d.read_files([f"{bucket}/kv/{n}.tkv" for n in ("a/1", "a/2", "none")], 10)
         assert got == [b"one", b"", None]
-        (long,) = await d.read_many([f"{bucket}/kv/b/3.tkv"], 1)  # at most limit + 1 bytes
+        (long,) = await d.read_files([f"{bucket}/kv/b/3.tkv"], 1)  # at most limit + 1 bytes
         assert long == b"th"
         assert await d.exists_many([f"{bucket}/kv/a/1.tkv", f"{bucket}/kv/none.tkv"]) == [True, False]
         listed = {e.path: e.size for e in await d.listdir(f"{bucket}/kv/a")}
@@ -139,7 +145,7 @@ async def test_missing_objects_listings_and_deletes_match(seaweed: SeaweedServer
         after = {e.path: e.mtime for e in await d.listdir(f"{bucket}/kv")}
         assert set(after) == set(before), "a touch leaves no temporary object behind"
         assert after[f"{bucket}/kv/a/1.tkv"] > before[f"{bucket}/kv/a/1.tkv"]
-        assert await d.read_many([f"{bucket}/kv/a/1.tkv"], 10) == [b"one"]
+        assert await d.read_files([f"{bucket}/kv/a/1.tkv"], 10) == [b"one"]
         await d.delete_many([f"{bucket}/kv/a/1.tkv", f"{bucket}/kv/none.tkv"])
         assert [e.path for e in await d.listdir(f"{bucket}/kv/a")] == [f"{bucket}/kv/a/2.tkv"]
         assert await d.listdir(f"{bucket}/nothing") == []

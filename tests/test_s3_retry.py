@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tierkv.backends.fsspec._outcomes import Failed
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, transient
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +47,7 @@ def driver(fs: Any, **policy: Any) -> AsyncDriver:
 async def test_transient_failures_are_retried_then_served(error: BaseException) -> None:
     fs = FakeS3(error, fail=2)
     d = driver(fs)
-    got = await d.read_many(["b/x", "b/y"], 100)
+    got = await d.read_files(["b/x", "b/y"], 100)
     assert got == [b"record of b/x", b"record of b/y"]
     assert fs.calls == {"b/x": 3, "b/y": 3} and d.retries == 4
 
@@ -54,8 +55,8 @@ async def test_transient_failures_are_retried_then_served(error: BaseException) 
 async def test_retries_stop_at_the_attempt_bound_and_the_error_is_returned() -> None:
     fs = FakeS3(OSError(errno.EBUSY, "503 SlowDown"), fail=100)
     d = driver(fs, attempts=3)
-    (got,) = await d.read_many(["b/x"], 100)
-    assert isinstance(got, OSError) and got.errno == errno.EBUSY
+    (got,) = await d.read_files(["b/x"], 100)
+    assert isinstance(got, Failed) and isinstance(got.error, OSError) and got.error.errno == errno.EBUSY
     assert fs.calls["b/x"] == 3
 
 
@@ -64,17 +65,17 @@ async def test_retries_stop_at_the_attempt_bound_and_the_error_is_returned() -> 
 async def test_other_errors_are_not_retried(error: BaseException) -> None:
     fs = FakeS3(error, fail=100)
     d = driver(fs)
-    (got,) = await d.write_many([("b/x", b"data")])
+    (got,) = await d.write_records(["b/x"], lambda _: [b"data"], 4)
     assert fs.calls["b/x"] == 1 and d.retries == 0
-    assert got is error
+    assert got == Failed(error)
 
 
 async def test_a_hung_server_costs_at_most_the_request_timeout_times_the_attempts() -> None:
     fs = FakeS3(OSError(errno.EBUSY, "never"), fail=0, hang_s=60)
     d = driver(fs, attempts=2, timeout_s=0.2, budget_s=5)
     t0 = time.monotonic()
-    (got,) = await d.read_many(["b/x"], 100)
-    assert isinstance(got, TimeoutError)
+    (got,) = await d.read_files(["b/x"], 100)
+    assert isinstance(got, Failed) and isinstance(got.error, TimeoutError)
     assert time.monotonic() - t0 < 2.0 and fs.calls["b/x"] == 2
 
 
@@ -82,8 +83,8 @@ async def test_the_retry_budget_bounds_the_time_spent() -> None:
     fs = FakeS3(OSError(errno.EBUSY, "503 SlowDown"), fail=100)
     d = driver(fs, attempts=1000, base_s=0.05, cap_s=0.05, budget_s=0.3)
     t0 = time.monotonic()
-    (got,) = await d.read_many(["b/x"], 100)
-    assert isinstance(got, OSError)
+    (got,) = await d.read_files(["b/x"], 100)
+    assert isinstance(got, Failed) and isinstance(got.error, OSError)
     assert time.monotonic() - t0 < 1.5
 
 

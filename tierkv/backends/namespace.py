@@ -115,7 +115,7 @@ async def listed_keys(driver: Driver, root: str, fingerprint: str, group: int) -
             keys.append(key)
         else:
             unnamed.append(e.path)
-    for data in await driver.read_many(unnamed, 8192):
+    for data in await driver.read_files(unnamed, 8192):
         if isinstance(data, bytes):
             try:
                 keys.append(read_header(data).key)

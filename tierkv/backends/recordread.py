@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.backends.fsspec._io import RecordSource, SpecialFile
+from tierkv.backends.fsspec._outcomes import ABSENT, REFUSED_REASONS, Damaged, Found, RecordRead, Refused
 from tierkv.encryption import KeyRing
 from tierkv.errors import CorruptRecord
 from tierkv.record import (
@@ -61,12 +62,12 @@ def none_heads(keys: Sequence[bytes], fingerprint: str, block_bytes: int, elem_s
 
 
 def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fingerprint: str,
-              ring: KeyRing | None = None) -> int | str | None:
+              ring: KeyRing | None = None) -> RecordRead:
     """Read ``key``'s record from ``src`` into ``row`` and verify it (in a worker thread for local
     files). ``heads`` (:func:`none_heads`, empty when the tier's codec is not ``none``; with the
     ring's current key id when ``ring`` is given) enables the in-place read; the spare byte after
-    the trailer catches longer files. Returns the record's size, a corruption reason (``encrypted``
-    and ``plaintext``: a sound record this reader may not serve), or None when absent."""
+    the trailer catches longer files. Returns :class:`Found`, :data:`ABSENT`, :class:`Damaged`
+    or :class:`Refused` (a sound record this reader may not serve)."""
     try:
         if heads:
             fixed, pad = heads[len(key)]
@@ -75,23 +76,23 @@ def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fing
             if ring is None:
                 got = src.readinto([head, row, tail])
                 if got is None:
-                    return None
+                    return ABSENT
                 if none_parts_match(expected, head, row, tail, got):
-                    return got
+                    return Found(got)
             else:
                 sealed = _read_buffer(row.size + TAG_LEN, "sealed")
                 got = src.readinto([head, sealed, tail])
                 if got is None:
-                    return None
+                    return ABSENT
                 if sealed_none_open(expected, head, sealed, tail, got, ring, row):
-                    return got
+                    return Found(got)
         data = src.read_all(_read_buffer(row.size + RECORD_OVERHEAD + 1))
     except SpecialFile:
-        return "special"
+        return Damaged("special")
     if data is None:
-        return None
+        return ABSENT
     try:
         decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.size, out=row, keys=ring)
     except CorruptRecord as exc:
-        return exc.reason
-    return data.nbytes
+        return Refused(exc.reason) if exc.reason in REFUSED_REASONS else Damaged(exc.reason)
+    return Found(data.nbytes)

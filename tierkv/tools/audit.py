@@ -32,6 +32,7 @@ from tierkv.backends.fsspec import _directio as directio
 from tierkv.backends.fsspec._io import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsspec._local import LocalDriver, probe_nowait
 from tierkv.backends.fsspec._open import open_driver, url_problem
+from tierkv.backends.fsspec._outcomes import Failed
 from tierkv.backends.fsspec._redact import Redactor, redact_url
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -269,8 +270,8 @@ class VerifyReport:
 async def _manifest(driver: Driver, entry: Entry | None, fp: str) -> Manifest:
     if entry is None:
         return Manifest()
-    data = (await driver.read_many([entry.path], 1 << 20))[0]
-    if isinstance(data, BaseException):
+    data = (await driver.read_files([entry.path], 1 << 20))[0]
+    if isinstance(data, Failed):
         return Manifest(state="unreadable")
     return parse_manifest(data, fp)
 
@@ -330,8 +331,9 @@ STORE_PATH_SAMPLE = 16
 
 async def _read_as_the_store_does(driver: Driver, base: str, listing: Listing, report: VerifyReport,
                                   redact: Redactor) -> None:
-    """Read a sample of the sound records the way a tier reads them (:meth:`Driver.read_each`: on
-    a local path, page cache first where the file system allows it): a root the store could not
+    """Read a sample of the sound records the way a tier reads them (:meth:`Driver.read_records`
+    with one scatter read per record, the C module's where it is built; on a local path, page
+    cache first where the file system allows it): a root the store could not
     read is never reported sound, whatever a plain read of the same files says."""
     sound = {p.path for p in report.corrupt} | {p.path for p in report.errors}
     sample = [rel for recs in listing.records.values() for _, rel in recs if rel not in sound]
@@ -342,12 +344,12 @@ async def _read_as_the_store_does(driver: Driver, base: str, listing: Listing, r
         await driver.prepare(base)  # the probes a tier makes at open (page-cache reads, O_DIRECT)
     limit = 1 << 20
 
-    def job(i: int, src: Any) -> int:
-        got = src.read_all(memoryview(bytearray(limit)))
-        return -1 if got is None else len(got)
+    def job(i: int, src: Any) -> int:  # one scatter read, as a tier reads a ``none`` record
+        got = src.readinto([bytearray(limit)])
+        return -1 if got is None else int(got)
 
-    results = await driver.read_each([f"{base}/{rel}" for rel in sample], limit, job, limit * len(sample))
-    failed = [(rel, r) for rel, r in zip(sample, results, strict=True) if isinstance(r, BaseException)]
+    results = await driver.read_records([f"{base}/{rel}" for rel in sample], limit, job, limit * len(sample))
+    failed = [(rel, r.error) for rel, r in zip(sample, results, strict=True) if isinstance(r, Failed)]
     for rel, exc in failed:
         report.ok -= 1
         report.errors.append(Problem(rel, "unreadable", f"the store's read path: {redact.error(exc)}"))
@@ -420,7 +422,7 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
 
 
 async def _headers(driver: Driver, entries: list[Entry]) -> list[RecordHeader | None]:
-    datas = await driver.read_many([e.path for e in entries], HEADER_PROBE - 1)
+    datas = await driver.read_files([e.path for e in entries], HEADER_PROBE - 1)
     out: list[RecordHeader | None] = []
     for e, data in zip(entries, datas, strict=True):
         header = None
@@ -429,7 +431,7 @@ async def _headers(driver: Driver, entries: list[Entry]) -> list[RecordHeader | 
                 header = read_header(data)
             except CorruptRecord as exc:
                 if exc.reason == "truncated" and len(data) >= HEADER_PROBE and e.size > len(data):
-                    full = (await driver.read_many([e.path], e.size))[0]
+                    full = (await driver.read_files([e.path], e.size))[0]
                     if isinstance(full, bytes):
                         try:
                             header = read_header(full)
@@ -532,19 +534,19 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                     g = group_of(rel)
                     known = layout is not None and g < len(layout.groups)
                     bounds.append(layout.groups[g].block_bytes if known and layout else max_block_bytes)
-                datas = await driver.read_many([e.path for e, _ in chunk],
+                datas = await driver.read_files([e.path for e, _ in chunk],
                                                max(bounds) + RECORD_OVERHEAD)
                 items = []
                 for (_, rel), data, bound in zip(chunk, datas, bounds, strict=True):
                     if data is None:
                         report.vanished += 1
-                    elif isinstance(data, SpecialFile):
+                    elif isinstance(data, Failed) and isinstance(data.error, SpecialFile):
                         report.checked += 1
-                        special = Problem(rel, "special", data.strerror or "not a regular file")
+                        special = Problem(rel, "special", data.error.strerror or "not a regular file")
                         report.corrupt.append(special)
                         to_delete.append((f"{base}/{rel}", special))
-                    elif isinstance(data, BaseException):
-                        report.errors.append(Problem(rel, "unreadable", redact.error(data)))
+                    elif isinstance(data, Failed):
+                        report.errors.append(Problem(rel, "unreadable", redact.error(data.error)))
                     else:
                         items.append((data, rel, fp, layout, bound))
                 verdicts = await driver.compute(_check_batch, items, keys)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from tierkv.backends.base import TierConfig
-from tierkv.backends.fsspec._open import url_problem
+from tierkv.backends.fsspec._open import is_local_url, url_problem
 from tierkv.backends.fsspec._redact import redact_url
 from tierkv.numbers import MAX_WAIT_S
 
@@ -25,12 +25,14 @@ class FsspecTierConfig(TierConfig):
     elem_size: int = 2
     zstd_level: int = 1
     fsync: bool = False
-    #: local paths: worker threads for page-cache work (default: the CPU count, 2 to 8); other
-    #: file systems: concurrent requests (default 4)
+    #: the tier's I/O in flight on its medium, the one concurrency setting every driver honours:
+    #: local paths: reads that wait for the device (a record the page cache does not hold) run on
+    #: this many threads, so a disk or NFS server has enough requests (default 16); object stores:
+    #: requests in flight; other file systems: threads for their blocking calls (default 4)
+    io_depth: PositiveInt | None = None
+    #: local paths only: threads for page-cache work, which is CPU work (default: the CPU count, 2
+    #: to 8). Elsewhere the old name of ``io_depth``, still accepted.
     io_threads: PositiveInt | None = None
-    #: local paths: reads that must wait for the device (the page cache does not hold the record)
-    #: run on this many threads, so enough are in flight to keep a disk or NFS server busy
-    io_depth: PositiveInt = 16
     #: local paths: write records of 64 KiB and more with ``O_DIRECT`` (past the page cache, as
     #: vLLM's file tier does): ``"auto"`` where the file system supports it (found out at open),
     #: True to require it, False for buffered writes (new records then stay in the page cache,
@@ -73,11 +75,25 @@ class FsspecTierConfig(TierConfig):
     request_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     retry_attempts: PositiveInt = 4
     retry_budget_s: float = Field(default=10.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
-    #: ``s3://`` URLs: the client that sends the requests. ``auto``: obstore (Rust, outside the
-    #: GIL) where it is installed and maps every storage option, else s3fs (the log says why);
+    #: ``s3://`` URLs: the client that sends the requests. ``auto``: s3fs where it is installed,
+    #: else obstore (Rust, outside the GIL) where it maps every storage option;
     #: the environment variable ``TIERKV_S3_CLIENT`` may pick instead. ``obstore``: obstore or an
     #: error at open. ``s3fs``: s3fs. Other URLs: fsspec's file system, whatever this says.
     s3_client: Literal["auto", "obstore", "s3fs"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("io_threads") is not None \
+                and not is_local_url(str(data.get("url", ""))):
+            data = dict(data)
+            old = data.pop("io_threads")
+            if data.get("io_depth") not in (None, old):
+                raise ValueError(f"io_threads is the old name of io_depth off local paths (requests in "
+                                 f"flight): set io_depth only (got io_threads={old}, "
+                                 f"io_depth={data['io_depth']})")
+            data["io_depth"] = old
+        return data
 
     @field_validator("file_mode", mode="before")
     @classmethod

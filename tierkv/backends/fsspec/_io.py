@@ -7,14 +7,16 @@ system, e.g. ``memory://``: temporary name + move) and
 :class:`~tierkv.backends.fsspec._remote.AsyncDriver` (asynchronous fsspec file systems such as s3fs:
 one PUT publishes a whole object, so no temporary name).
 
-A tier hands each driver the same per-record jobs (:meth:`Driver.write_each`,
-:meth:`Driver.read_each`); the driver decides where they run: local jobs run whole in a worker
-thread beside their system calls (a scatter read straight into the caller's row, say), remote
-ones after (or before) the request: for an asynchronous file system on the event loop, one
-record as its request ends (or starts), for a synchronous one in a worker thread when the batch
-is large. A record's path
-that holds anything but a regular file (a FIFO, a device, a symlink) is :class:`SpecialFile`,
-never read as a record: a reader would block in ``open`` beyond any cancel scope.
+A tier hands each driver the same per-record jobs through its two record calls
+(:meth:`Driver.write_records`, :meth:`Driver.read_records`, each a batch with one typed result
+per record: :mod:`~tierkv.backends.fsspec._outcomes`); the driver decides where they run: local
+jobs run whole in a worker thread beside their system calls (a scatter read straight into the
+caller's row, say), remote ones after (or before) the request: for an asynchronous file system
+on the event loop, one record as its request ends (or starts), for a synchronous one in a worker
+thread when the batch is large. A driver that does one record at a time implements
+:meth:`Driver._read_one` and :meth:`Driver._write_one` and takes the bulk calls as they are. A
+record's path that holds anything but a regular file (a FIFO, a device, a symlink) is
+:class:`SpecialFile`, never read as a record: a reader would block in ``open`` beyond any cancel scope.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import anyio
+
+from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 
 __all__ = ["INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
            "Entry", "NoWaitUnsupported", "RecordSource", "SpecialFile", "WouldBlock", "abs_path", "detach",
@@ -163,14 +167,6 @@ class Driver:
         """Run CPU work (encoding, checking records) in a worker thread; it takes no I/O slot."""
         return await anyio.to_thread.run_sync(fn, *args)
 
-    async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
-        """Publish each ``(path, data)`` atomically; per item, None or the error it raised."""
-        raise NotImplementedError
-
-    async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
-        """Per path its bytes (at most ``limit + 1``), None when absent, or the error raised."""
-        raise NotImplementedError
-
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """Per path, whether it exists."""
         raise NotImplementedError
@@ -188,12 +184,14 @@ class Driver:
         """
         raise NotImplementedError
 
-    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
-                         nbytes: int) -> list[int | BaseException | None]:
-        """Publish the record ``job(i)`` returns (pieces, or None: skip it) at ``paths[i]``.
+    # ---- the two record calls: every driver's bulk, each item typed ----------------------------
+    async def write_records(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                            nbytes: int) -> list[RecordWrite]:
+        """Publish the record ``job(i)`` returns (pieces, or None: skip it) at ``paths[i]``,
+        atomically: a reader sees the whole record or none.
 
-        Per item: its size, None when skipped, or the error. ``nbytes`` (about the batch's size)
-        decides whether the jobs run inline or in a worker thread.
+        ``nbytes`` (about the batch's size) decides whether the jobs run inline or in a worker
+        thread. The default writes one record at a time with :meth:`_write_one`.
         """
         def encode_all() -> list[bytes | None]:
             out: list[bytes | None] = []
@@ -203,53 +201,89 @@ class Driver:
             return out
 
         blobs = encode_all() if nbytes <= INLINE_BYTES else await self.compute(encode_all)
-        results: list[int | BaseException | None] = [None] * len(paths)
-        todo = [i for i, b in enumerate(blobs) if b is not None]
-        errors = await self.write_many([(paths[i], blobs[i]) for i in todo])  # type: ignore[misc]
-        for i, err in zip(todo, errors, strict=True):
-            results[i] = err if err is not None else len(blobs[i])  # type: ignore[arg-type]
+        results: list[RecordWrite] = []
+        for path, blob in zip(paths, blobs, strict=True):
+            if blob is None:
+                results.append(SKIPPED)
+                continue
+            try:
+                await self._blocking(self._write_one, path, blob)
+                results.append(Written(len(blob)))
+            except Exception as exc:  # any file system's error is this item's failure
+                results.append(Failed(detach(exc)))
         return results
 
     def reads_in_place(self) -> bool:
-        """Whether :meth:`read_each` may use ``inplace`` (building it costs the caller a little)."""
+        """Whether :meth:`read_records` may use ``inplace`` (building it costs the caller a little)."""
         return False
 
-    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                        ) -> list[R | int | BaseException]:
-        """``job(i, source)`` over each record's bytes (at most ``limit``); per item its result or
-        the error reading it raised (an ``OSError`` the job raises counts as one).
+    async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                           ) -> list[R | Found | Failed]:
+        """``job(i, source)`` over each record's bytes (at most ``limit``); per item its result, or
+        :class:`Failed` with the error reading it raised (an ``OSError`` the job raises counts as
+        one).
 
         ``inplace[i]``, when given, is ``(header, row)``: record ``i`` should be a ``none`` record,
         ``header`` then the numpy row's bytes then the trailer. A driver may read such a record
         into ``row`` itself and verify it (:func:`~tierkv.record.none_parts_match`); its result is
-        then the record's size, as ``job`` returns for one it verified. The others go to ``job``.
+        then :class:`Found`, as ``job`` returns for one it verified. The others go to ``job``.
+        The default reads one record at a time with :meth:`_read_one`.
         """
-        datas = await self.read_many(paths, limit - 1)
+        datas: list[bytes | Failed | None] = []
+        for p in paths:
+            try:
+                datas.append(await self._blocking(self._read_one, p, limit - 1))
+            except Exception as exc:
+                datas.append(Failed(detach(exc)))
 
-        def check_all() -> list[R | int | BaseException]:
-            out: list[R | int | BaseException] = []
+        def check_all() -> list[R | Found | Failed]:
+            out: list[R | Found | Failed] = []
             for i, d in enumerate(datas):
-                if isinstance(d, BaseException):
+                if isinstance(d, Failed):
                     out.append(d)
                     continue
                 try:
                     out.append(job(i, BytesSource(d)))
                 except OSError as exc:
-                    out.append(detach(exc))
+                    out.append(Failed(detach(exc)))
             return out
 
         return check_all() if nbytes <= INLINE_BYTES else await self.compute(check_all)
 
+    # ---- what a driver that takes the defaults implements -----------------------------------------
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one blocking primitive: in a worker thread (:meth:`run`) unless a driver says."""
+        return await self.run(fn, *args)
+
+    def _write_one(self, path: str, data: bytes) -> None:
+        """Publish ``data`` at ``path`` atomically (blocking)."""
+        raise NotImplementedError
+
+    def _read_one(self, path: str, limit: int) -> bytes | None:
+        """At most ``limit + 1`` bytes of ``path``, or None when it is absent (blocking)."""
+        raise NotImplementedError
+
+    # ---- small whole files (manifests, an audit's probes), on the record calls -------------------
+    async def read_files(self, paths: list[str], limit: int) -> list[bytes | Failed | None]:
+        """Per path its bytes (at most ``limit + 1``: a longer file shows as one byte longer),
+        None when absent, or :class:`Failed`."""
+        def whole(i: int, src: RecordSource) -> bytes | None:
+            data = src.read_all(memoryview(bytearray(limit + 1)))
+            return None if data is None else bytes(data)
+
+        got = await self.read_records(paths, limit + 1, whole, 0)
+        return [None if isinstance(g, Found) else g for g in got]  # no in-place reads: never Found
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Publish a small file atomically (namespace manifests); raises what the write raised."""
+        (res,) = await self.write_records([path], lambda _: [data], len(data))
+        if isinstance(res, Failed):
+            raise res.error
+
     async def touch_many(self, paths: list[str]) -> None:
         """Refresh the modification time of existing files (absent ones are ignored); drivers that
         cannot do it cheaply leave it."""
-
-    async def write_small(self, path: str, data: bytes) -> None:
-        """Publish a small file atomically (namespace manifests)."""
-        errs = await self.write_many([(path, data)])
-        if errs[0] is not None:
-            raise errs[0]
 
     async def prepare(self, directory: str) -> None:
         """Settle what depends on the file system at ``directory`` (the tier's namespace, which

@@ -31,6 +31,7 @@ from tierkv.backends.fsspec._io import (
     detach,
     temp_name,
 )
+from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 from tierkv.backends.fsspec._readproc import ReaderProcesses
 from tierkv.backends.fsspec._readproc import supported as readproc_supported
 from tierkv.backends.threads import DaemonPool, Jobs
@@ -191,6 +192,8 @@ class LocalSource:
         if fd is None:
             return None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", self.path)
             got = self._read(fd, [buf])
             while not self.nowait and 0 < got < len(buf):  # regular files read short only at
                 more = os.readv(fd, [buf[got:]])            # the end, but be sure
@@ -203,7 +206,7 @@ class LocalSource:
 
 
 def touch_in_order(paths: list[str]) -> None:
-    """Refresh the file times of ``paths``, the first the newest (as ``write_each`` writes them)."""
+    """Refresh the file times of ``paths``, the first the newest (as ``write_records`` writes them)."""
     base = time.time_ns()
     for i, p in enumerate(paths):
         when = base + (len(paths) - i) * 1000
@@ -217,30 +220,6 @@ def _chunks(n: int, parts: int) -> list[range]:
     parts = max(1, min(parts, n))
     step = -(-n // parts)
     return [range(i, min(n, i + step)) for i in range(0, n, step)]
-
-
-def read_whole(path: str, limit: int) -> bytes | None:
-    """A whole small file (at most ``limit + 1`` bytes: a longer one shows); None when absent."""
-    fd = _open_record(path)
-    if fd is None:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", path)
-        chunks, total = [], 0
-        while total <= limit:
-            got = os.read(fd, min(limit + 1 - total, 1 << 22))
-            if not got:
-                break
-            chunks.append(got)
-            total += len(got)
-        return b"".join(chunks)
-    except OSError as exc:
-        if exc.errno in _NOT_REGULAR:
-            raise SpecialFile(exc.errno, "not a regular file where a record should be", path) from None
-        raise
-    finally:
-        os.close(fd)
 
 
 class LocalDriver(Driver):
@@ -413,29 +392,29 @@ class LocalDriver(Driver):
             await anyio.to_thread.run_sync(readers.close, abandon_on_cancel=True)
         await self._jobs.shutdown([p for p in (self._pool, self._cold) if p is not None])
 
-    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
-                         nbytes: int) -> list[int | BaseException | None]:
+    async def write_records(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                            nbytes: int) -> list[RecordWrite]:
         """Encode and publish each record in one worker thread (``writev`` of its pieces). The
         records of one call get file times in reverse order (the first the newest): a call holds
         a prefix in order, and eviction by age then takes a prefix's end before its beginning."""
         base = time.time_ns()
         n = len(paths)
 
-        def one(i: int) -> int | None:
+        def one(i: int) -> RecordWrite:
             parts = job(i)
             if parts is None:
-                return None
+                return SKIPPED
             self._write_one(paths[i], parts)
             when = base + (n - i) * 1000
             with contextlib.suppress(OSError):
                 os.utime(paths[i], ns=(when, when), follow_symlinks=False)
-            return sum(memoryview(p).nbytes for p in parts)
+            return Written(sum(memoryview(p).nbytes for p in parts))
 
-        return list(await self.map(one, len(paths), nbytes))
+        return [Failed(r) if isinstance(r, BaseException) else r for r in await self.map(one, n, nbytes)]
 
-    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                        ) -> list[R | int | BaseException]:
+    async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                           ) -> list[R | Found | Failed]:
         """Each job runs in a worker thread on the file itself (a scatter read into its rows).
 
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
@@ -473,7 +452,7 @@ class LocalDriver(Driver):
                     results[i] = detach(exc)
 
             await self._jobs.run_all(self._cold, [functools.partial(one, i) for i in cold], stop)
-        return results
+        return [Failed(r) if isinstance(r, BaseException) else r for r in results]
 
     async def _read_in_helpers(self, readers: ReaderProcesses, paths: list[str],
                                inplace: list[tuple[bytes, Any]], results: list[Any]) -> list[int]:
@@ -496,7 +475,7 @@ class LocalDriver(Driver):
         for r, sizes in zip(parts, answers, strict=False):
             for j, size in zip(r, sizes, strict=True):
                 if size > 0:
-                    results[positions[j]] = size
+                    results[positions[j]] = Found(size)
                     done += 1
         if done:
             self._count("reader_reads", done)
@@ -512,10 +491,6 @@ class LocalDriver(Driver):
         if dead > known:
             log.warning("%d of %d reader processes ended; their reads go to threads", dead,
                         len(readers.procs))
-
-    def write_one(self, path: str, data: bytes | list[Any]) -> None:
-        """Publish ``data`` (bytes, or pieces written with one ``writev``) at ``path`` atomically."""
-        self._write_one(path, data)
 
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
         d = path.rpartition("/")[0]
@@ -578,14 +553,6 @@ class LocalDriver(Driver):
             _unlink_quiet(tmp)
             raise
         os.close(fd)
-
-    async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
-        """Write the batch in chunks over the worker threads."""
-        return await self.map(lambda i: self._write_one(*items[i]), len(items), buffers=False)
-
-    async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
-        """Read the batch in chunks over the worker threads."""
-        return await self.map(lambda i: read_whole(paths[i], limit), len(paths), buffers=False)
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """One worker thread stats the whole batch."""

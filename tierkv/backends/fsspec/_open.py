@@ -17,8 +17,8 @@ from tierkv.backends.fsspec._redact import redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
 
-__all__ = ["S3_FAIL_FAST", "default_io_threads", "default_read_processes", "is_local_url", "open_driver",
-           "url_problem"]
+__all__ = ["S3_FAIL_FAST", "default_io_depth", "default_io_threads", "default_read_processes", "is_local_url",
+           "open_driver", "url_problem"]
 
 #: the extra to install for a protocol fsspec cannot load
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
@@ -114,9 +114,14 @@ def is_local_url(url: str) -> bool:
     return (urlsplit(url).scheme or "file") in ("file", "local")
 
 
-def default_io_threads(*, local: bool) -> int:
-    """``io_threads`` when not set: the CPU count (2 to 8) for local paths, else 4 requests."""
-    return max(2, min(8, os.cpu_count() or 2)) if local else 4
+def default_io_threads() -> int:
+    """``io_threads`` (local paths) when not set: the CPU count, 2 to 8."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+def default_io_depth(*, local: bool) -> int:
+    """``io_depth`` when not set: 16 reads waiting for a local device, else 4 requests."""
+    return 16 if local else 4
 
 
 def default_read_processes() -> int:
@@ -139,16 +144,17 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     """The driver and root path for ``url``. Must run inside the event loop (async file systems).
 
     Local paths get ``threads`` worker threads (None: the CPU count, 2 to 8: a page-cache read is
-    CPU work, and more threads than cores only contend) and ``direct_io`` (the tier's setting,
+    CPU work, and more threads than cores only contend), ``depth`` threads for reads that wait
+    for the device, and ``direct_io`` (the tier's setting,
     settled by :meth:`~tierkv.backends.fsspec._local.LocalDriver.prepare`) and ``read_processes``
-    (``"auto"``: :func:`default_read_processes`); other file systems are
-    bounded by ``limiter``.
+    (``"auto"``: :func:`default_read_processes`); other file systems are bounded by ``limiter``
+    (the tier's ``io_depth``).
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
 
-    ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: obstore where it is
-    installed and takes every option, see :func:`~tierkv.backends.fsspec._obstore.open_obstore`).
+    ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: s3fs where it is
+    installed, see :func:`~tierkv.backends.fsspec._obstore.open_obstore`).
     """
     parts = urlsplit(url)
     protocol = parts.scheme or "file"
@@ -159,7 +165,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
         root = (parts.netloc + parts.path) if parts.scheme else url
         if not root.startswith("/"):
             root = os.path.abspath(root)
-        threads = threads or default_io_threads(local=True)
+        threads = threads or default_io_threads()
         procs = default_read_processes() if read_processes == "auto" else int(read_processes)
         driver = LocalDriver(limiter, threads, fsync, depth, direct_io, procs, file_mode)
         return driver, root.rstrip("/") or "/"

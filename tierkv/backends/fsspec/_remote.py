@@ -23,6 +23,7 @@ from tierkv.backends.fsspec._io import (
     info_mtime,
     temp_name,
 )
+from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 from tierkv.errors import DOWN_TYPES
 
 __all__ = ["AsyncDriver", "RequestDriver", "RetryPolicy", "SyncDriver", "transient"]
@@ -38,25 +39,14 @@ class SyncDriver(Driver):
         self.fs = fs
         self.inline = inline
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args) if self.inline else await self.run(fn, *args)
 
-    def _write_one(self, path: str, data: bytes | list[Any]) -> None:
-        blob = data if isinstance(data, bytes) else b"".join(data)
-        tmp = temp_name(path)
-        self.fs.pipe_file(tmp, blob)
-        self.fs.mv(tmp, path)
-
-    async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
+    def _write_one(self, path: str, data: bytes) -> None:
         """Temporary name, then move."""
-        out: list[BaseException | None] = []
-        for path, data in items:
-            try:
-                await self._call(self._write_one, path, data)
-                out.append(None)
-            except Exception as exc:  # any file system's error is this item's failure
-                out.append(detach(exc))
-        return out
+        tmp = temp_name(path)
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, path)
 
     def _read_one(self, path: str, limit: int) -> bytes | None:
         try:
@@ -65,19 +55,9 @@ class SyncDriver(Driver):
         except FileNotFoundError:
             return None
 
-    async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
-        """Read each path."""
-        out: list[bytes | BaseException | None] = []
-        for p in paths:
-            try:
-                out.append(await self._call(self._read_one, p, limit))
-            except Exception as exc:
-                out.append(detach(exc))
-        return out
-
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """``fs.isfile`` per path."""
-        return await self._call(lambda: [bool(self.fs.isfile(p)) for p in paths])
+        return await self._blocking(lambda: [bool(self.fs.isfile(p)) for p in paths])
 
     async def delete_many(self, paths: list[str]) -> None:
         """``fs.rm_file`` per path."""
@@ -89,7 +69,7 @@ class SyncDriver(Driver):
                 except FileNotFoundError:
                     pass
 
-        await self._call(rm)
+        await self._blocking(rm)
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """``fs.find`` with details (one call: ``pause`` is not asked)."""
@@ -101,7 +81,7 @@ class SyncDriver(Driver):
                 return []
             return [Entry(abs_path(p), int(i.get("size") or 0), info_mtime(i)) for p, i in found.items()]
 
-        return await self._call(find)
+        return await self._blocking(find)
 
 
 #: errno values of transient server trouble, as s3fs translates it (503 SlowDown is EBUSY, a 500 is
@@ -224,18 +204,10 @@ class RequestDriver(Driver):
         return results
 
     # -- what every object store does with its PUT and its GET -----------------------------------
-    async def write_many(self, items: list[tuple[str, bytes | list[Any]]]) -> list[BaseException | None]:
-        """One PUT per record: an object appears whole or not at all."""
-
-        async def put(path: str, data: bytes | list[Any]) -> None:
-            blob = data if isinstance(data, bytes) else b"".join(data)
-            await self._put(path, blob)
-
-        return await self._gather(put, list(items), absent_ok=False)
-
-    async def write_each(self, paths: list[str], job: Callable[[int], list[Any] | None],
-                         nbytes: int) -> list[int | BaseException | None]:
-        """Each record is encoded on the event loop when its request gets a slot, then PUT.
+    async def write_records(self, paths: list[str], job: Callable[[int], list[Any] | None],
+                            nbytes: int) -> list[RecordWrite]:
+        """One PUT per record (an object appears whole or not at all), each encoded on the event
+        loop when its request gets a slot.
 
         The client's work for an object store (signing, parsing, the body) runs on the event
         loop; encoding there, one record at a time between requests, costs less than a worker
@@ -256,28 +228,24 @@ class RequestDriver(Driver):
             del blobs[i]
 
         errors = await self._gather(put, [(i,) for i in range(len(paths))], absent_ok=False)
-        return [err if err is not None else sizes[i] for i, err in enumerate(errors)]
+        return [Failed(err) if err is not None else SKIPPED if (n := sizes[i]) is None else Written(n)
+                for i, err in enumerate(errors)]
 
-    async def read_each(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                        nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                        ) -> list[R | int | BaseException]:
-        """Each record is checked on the event loop as soon as its GET returns (see
-        :meth:`write_each` for why not in a worker thread), while the other requests go on."""
+    async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
+                           ) -> list[R | Found | Failed]:
+        """Ranged GETs; each record is checked on the event loop as soon as its GET returns (see
+        :meth:`write_records` for why not in a worker thread), while the other requests go on."""
 
-        def check(i: int, data: bytes | BaseException | None) -> R | BaseException:
+        def check(i: int, data: Any) -> R | Failed:
             if isinstance(data, BaseException):
-                return data
+                return Failed(data)
             try:
                 return job(i, BytesSource(data))
-            except OSError as exc:
-                return exc
+            except Exception as exc:  # that item's failure: the other requests go on
+                return Failed(detach(exc))
 
         return await self._gather(self._cat(limit - 1), [(p,) for p in paths], then=check)
-
-    async def read_many(self, paths: list[str], limit: int) -> list[bytes | BaseException | None]:
-        """Ranged GETs of at most ``limit + 1`` bytes."""
-        got = await self._gather(self._cat(limit), [(p,) for p in paths])
-        return [d if d is None or isinstance(d, bytes | BaseException) else bytes(d) for d in got]
 
     async def _put(self, path: str, blob: bytes) -> None:
         """One PUT of a whole object."""

@@ -49,7 +49,14 @@ from tierkv.backends.fsspec._io import (
     RecordSource,
     temp_owner_alive,
 )
-from tierkv.backends.fsspec._open import default_io_threads, open_driver, url_problem
+from tierkv.backends.fsspec._open import (
+    default_io_depth,
+    default_io_threads,
+    is_local_url,
+    open_driver,
+    url_problem,
+)
+from tierkv.backends.fsspec._outcomes import Failed, RecordRead, Skipped, Written
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
 from tierkv.backends.fsspec._verdicts import Refusals, sort_reads
@@ -73,8 +80,8 @@ from tierkv.record import (
 )
 from tierkv.tensors import as_bytes
 
-__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_threads", "open_driver",
-           "record_path", "redact_url", "url_problem"]
+__all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_depth",
+           "default_io_threads", "open_driver", "record_path", "redact_url", "url_problem"]
 
 log = logging.getLogger("tierkv.fsspec")
 
@@ -170,16 +177,18 @@ class FsspecTier(Tier):
             old.abandon()
             with anyio.move_on_after(1):
                 await old.close()
-        limiter = anyio.CapacityLimiter(self.cfg.io_threads or default_io_threads(local=False))
+        cfg = self.cfg
+        local = is_local_url(cfg.url)
+        depth = cfg.io_depth or default_io_depth(local=local)
+        limiter = anyio.CapacityLimiter((cfg.io_threads or default_io_threads()) if local else depth)
         try:
-            cfg = self.cfg
             if cfg.encryption_key_file is not None:
                 self._ring = KeyRing.from_files(cfg.encryption_key_file, cfg.encryption_old_key_files,
                                                 cfg.read_unencrypted)
             retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
                                 timeout_s=cfg.request_timeout_s)
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
-                                                  cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
+                                                  cfg.fsync, depth, retry, cfg.direct_io,
                                                   cfg.read_processes, cfg.file_mode, cfg.s3_client)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
@@ -202,13 +211,13 @@ class FsspecTier(Tier):
         ctx = self.context
         manifest = manifest_bytes(ctx.namespace, ctx.fingerprint, ctx.layout)
         path = manifest_path(self.root, ctx.fingerprint)
-        (found,) = await self.driver.read_many([path], len(manifest))
-        if isinstance(found, BaseException):
-            raise found
+        (found,) = await self.driver.read_files([path], len(manifest))
+        if isinstance(found, Failed):
+            raise found.error
         if found == manifest:
             return
         try:
-            await self.driver.write_small(path, manifest)
+            await self.driver.write_file(path, manifest)
         except OSError as exc:
             if exc.errno not in _FULL:
                 raise
@@ -253,9 +262,9 @@ class FsspecTier(Tier):
         """Read the namespace manifest: raises when the file system does not answer."""
         if self._driver is None:
             raise BackendError(f"{self.describe()} is not open")
-        (found,) = await self.driver.read_many([manifest_path(self.root, self.context.fingerprint)], 1 << 16)
-        if isinstance(found, BaseException):
-            raise self._error("checking the tier", found)
+        (found,) = await self.driver.read_files([manifest_path(self.root, self.context.fingerprint)], 1 << 16)
+        if isinstance(found, Failed):
+            raise self._error("checking the tier", found.error)
 
     def abandon(self) -> None:
         """See :meth:`Tier.abandon`."""
@@ -352,7 +361,7 @@ class FsspecTier(Tier):
                 return None  # a record larger than the whole tier is never written
             return parts
 
-        results = await self.driver.write_each(paths, encode, rows.nbytes)
+        results = await self.driver.write_records(paths, encode, rows.nbytes)
         now = time.time()
         ok = [False] * len(keys)
         too_large = 0
@@ -360,15 +369,15 @@ class FsspecTier(Tier):
         # the ledger's age order: a prefix's first block the most recent, so eviction takes its end
         # first and what stays is usable (a prefix without its first block is never of any use)
         for i in reversed(range(len(results))):
-            res = results[i]
-            if isinstance(res, BaseException):
-                self.count("write_errors")
-                errors.append(res)
-            elif res is None:
-                too_large += 1
-            else:
-                self._ledger.wrote(paths[i], res, now)
-                ok[i] = True
+            match results[i]:
+                case Written(size):
+                    self._ledger.wrote(paths[i], size, now)
+                    ok[i] = True
+                case Failed(error):
+                    self.count("write_errors")
+                    errors.append(error)
+                case Skipped():
+                    too_large += 1
         self._warn_batch("writing records", errors, len(keys))
         if too_large:
             self.count("too_large", too_large)
@@ -398,14 +407,14 @@ class FsspecTier(Tier):
                  if self.cfg.codec == "none" else {})
         paths = [self.path(k) for k in keys]
 
-        def job(i: int, src: RecordSource) -> int | str | None:
+        def job(i: int, src: RecordSource) -> RecordRead:
             return read_into(keys[i], np_out[i], heads, src, fp, ring)
 
         inplace = None  # reader processes verify unencrypted records only
         if heads and ring is None and self.driver.reads_in_place():
             inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
-        verdicts = await self.driver.read_each(paths, block_bytes + RECORD_OVERHEAD + 1, job, np_out.nbytes,
-                                               inplace)
+        verdicts = await self.driver.read_records(paths, block_bytes + RECORD_OVERHEAD + 1, job,
+                                                  np_out.nbytes, inplace)
         reads = sort_reads(paths, keys, verdicts)
         if reads.errors:
             self.count("read_errors", len(reads.errors))

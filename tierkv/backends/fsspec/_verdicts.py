@@ -1,6 +1,6 @@
-"""What a batch of record reads came to, per record: read and verified (its size), absent (None),
-damaged (the reason), not this store's to serve (``encrypted`` / ``plaintext``), or failed (the
-error). :func:`sort_reads` sorts them for the tier; :class:`Refusals` counts the records a store
+"""What a batch of record reads came to, per record (:mod:`~tierkv.backends.fsspec._outcomes`):
+read and verified, absent, damaged, not this store's to serve (``encrypted`` / ``plaintext``), or
+failed. :func:`sort_reads` sorts them for the tier; :class:`Refusals` counts the records a store
 may not serve and says so once per kind."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from tierkv.backends.fsspec._outcomes import Absent, Damaged, Failed, Found, RecordRead, Refused
 
 __all__ = ["NOT_OURS", "Reads", "Refusals", "sort_reads"]
 
@@ -32,24 +34,24 @@ class Reads:
     errors: list[BaseException] = field(default_factory=list)
 
 
-def sort_reads(paths: Sequence[str], keys: Sequence[bytes], verdicts: Sequence[object]) -> Reads:
+def sort_reads(paths: Sequence[str], keys: Sequence[bytes], verdicts: Sequence[RecordRead]) -> Reads:
     """Sort each record's verdict (see the module docstring)."""
     out = Reads()
     for path, k, v in zip(paths, keys, verdicts, strict=True):
-        if type(v) is int:
-            out.found.append(True)
-            out.read_paths.append(path)
-            out.read_sizes.append(v)
-            continue
-        out.found.append(False)
-        if isinstance(v, BaseException):
-            out.errors.append(v)
-        elif v is None:
-            out.absent.append(path)
-        elif v in NOT_OURS:
-            out.refused.append((k, str(v)))
-        else:
-            out.corrupt.append((path, k, str(v)))
+        found = isinstance(v, Found)
+        out.found.append(found)
+        match v:
+            case Found(size):
+                out.read_paths.append(path)
+                out.read_sizes.append(size)
+            case Failed(error):
+                out.errors.append(error)
+            case Absent():
+                out.absent.append(path)
+            case Refused(reason):
+                out.refused.append((k, reason))
+            case Damaged(reason):
+                out.corrupt.append((path, k, reason))
     return out
 
 

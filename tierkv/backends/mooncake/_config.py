@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
@@ -64,10 +64,23 @@ class MooncakeTierConfig(TierConfig):
     #: process: the environment's, else the first tier's; Mooncake's own default is 30 s), and a
     #: presence probe, a removal or the health check before the tier counts as not answering
     request_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
-    #: threads that run the blocking Mooncake calls (each batch is one call)
-    io_threads: PositiveInt = 4
+    #: calls in flight to Mooncake (each batch is one blocking call, on its own thread); the tier's
+    #: one concurrency setting, as for every tier. ``io_threads``, its old name, is still accepted.
+    io_depth: PositiveInt = 4
     #: copies of each object the master places (on different nodes)
     replicas: PositiveInt = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "io_threads" in data:
+            data = dict(data)
+            old = data.pop("io_threads")
+            if data.get("io_depth") not in (None, old):
+                raise ValueError(f"io_threads is the old name of io_depth: set io_depth only (got "
+                                 f"io_threads={old}, io_depth={data['io_depth']})")
+            data["io_depth"] = old
+        return data
 
     @field_validator("master")
     @classmethod

@@ -154,7 +154,7 @@ class MooncakeTier(Tier):
         finally:
             setup.shutdown(wait=False)
         self._client = client
-        self._pool = DaemonPool(self.cfg.io_threads, "tierkv-mooncake")
+        self._pool = DaemonPool(self.cfg.io_depth, "tierkv-mooncake")
         self._jobs = Jobs(self.count)
 
     async def check(self) -> None:
