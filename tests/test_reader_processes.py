@@ -108,6 +108,21 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
     assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
 
 
+async def test_the_helpers_are_ready_once_the_tier_is_open(tmp_path: Path) -> None:
+    """A helper's start is CPU work (an interpreter, its mappings): the tier's open waits for it,
+    so it never competes with the first restore after a restart (a restore timed at once after
+    the open ran at half speed on two cores while two helpers started)."""
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())  # a live region: helpers start
+    t = tier(tmp_path / "t", read_processes=2)
+    await t.open()
+    try:
+        readers = t.driver._readers  # type: ignore[attr-defined]
+        assert readers is not None and len(readers.ready()) == 2
+    finally:
+        await t.close()
+        del pool
+
+
 def _mapped_kib(pid: int, inode: int) -> int:
     """Resident KiB of process ``pid``'s mappings of the file with ``inode``."""
     total, ours = 0, False

@@ -50,6 +50,9 @@ NOWAIT_REFUSED = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 #: items, when that gives every thread a chunk): small enough that the threads end a call
 #: together, large enough that handing chunks out costs nothing next to reading them
 CHUNK_BYTES = 8 << 20
+#: how long opening the tier waits for its reader processes to start (then it goes on; a helper
+#: that becomes ready later is used from then on)
+READERS_READY_S = 5.0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: with direct I/O on, records of at least this many bytes are written past the page cache;
 #: smaller ones cost more in their system calls than in their copy, and stay buffered
@@ -284,6 +287,10 @@ class LocalDriver(Driver):
         if self.nowait and await self.run(probe_nowait, directory) is False:
             await self.refuse_nowait("the probe at start")
         self._start_readers()
+        if self._readers is not None:
+            # a helper's start (an interpreter, its mappings) is CPU work: done before the store
+            # serves, it never competes with the first restore after a restart
+            await self.run(self._readers.wait_ready, READERS_READY_S)
         if self.direct_io is False:
             return
         try:

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -75,6 +76,18 @@ class ReaderProcess:
         if self.state == "starting" and self._lock.acquire(blocking=False):
             try:
                 if self._recv.poll(0):
+                    self.state = "ready" if self._recv.recv() == "ready" else "dead"
+            except (EOFError, OSError):
+                self.state = "dead"
+            finally:
+                self._lock.release()
+        return self.state == "ready"
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the helper to be ready; whether it is."""
+        if self.state == "starting" and self._lock.acquire(timeout=max(0.0, timeout)):
+            try:
+                if self.state == "starting" and self._recv.poll(max(0.0, timeout)):
                     self.state = "ready" if self._recv.recv() == "ready" else "dead"
             except (EOFError, OSError):
                 self.state = "dead"
@@ -153,6 +166,12 @@ class ReaderProcesses:
             elif p.state == "dead" and p.proc.poll() is None:
                 p.close()
         return out
+
+    def wait_ready(self, timeout: float) -> int:
+        """Wait, at most ``timeout`` seconds in all, until every helper is ready (or dead); how
+        many are ready."""
+        deadline = time.monotonic() + timeout
+        return sum(p.wait_ready(deadline - time.monotonic()) for p in self.procs)
 
     def dead(self) -> int:
         """How many helpers died (or answered what they should not)."""
