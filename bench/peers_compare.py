@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from peers_report import size_label
 
@@ -38,10 +38,15 @@ def load(path: str) -> dict[str, Any]:
     try:
         report: dict[str, Any] = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"peers_compare.py: {path}: {exc}") from None
-    if report.get("bench") != "peers" or "results" not in report:
-        raise SystemExit(f"peers_compare.py: {path} is not a bench/peers.py report")
+        _bad_input(f"{path}: {exc}")
+    if not isinstance(report, dict) or report.get("bench") != "peers" or "results" not in report:
+        _bad_input(f"{path} is not a bench/peers.py report")
     return report
+
+
+def _bad_input(message: str) -> NoReturn:
+    print(f"{Path(sys.argv[0]).name}: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main() -> int:

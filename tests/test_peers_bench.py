@@ -233,6 +233,35 @@ def test_compare_flags_a_ratio_that_moved_past_the_tolerance(tmp_path: Path) -> 
     assert "vllm-fs" in bad.stdout and "<-- over" in bad.stdout and "1 apart by more than 15%" in bad.stdout
 
 
+def test_median_of_runs_takes_each_figure_across_runs_and_names_the_targets_met(tmp_path: Path) -> None:
+    """bench/peers_median.py: the median over runs of each run's figure (not of the rounds pooled),
+    and tierkv's targets against the peers and the device, each said met or not."""
+    def run(x_store: float, cold_share: float) -> dict[str, Any]:
+        row = {"block_bytes": 1 << 20, "ratio_vs_tierkv_api": None}
+        return {"bench": "peers", "date": "d", "commit": "c", "machine": {"busy": False}, "results": [
+            {**row, "system": "vllm-fs", "direction": "store", "cache": None, "mb_s": 100.0,
+             "ratio_vs_tierkv": x_store, "fraction_of_device": 0.5},
+            {**row, "system": "tierkv", "direction": "load", "cache": "cold", "mb_s": 90.0,
+             "ratio_vs_tierkv": None, "fraction_of_device": cold_share}]}
+
+    paths = []
+    for i, (x, c) in enumerate(((0.8, 0.95), (1.2, 0.5), (1.1, 0.92))):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(run(x, c)))
+    median = [sys.executable, str(REPO / "bench" / "peers_median.py")]
+    proc = subprocess.run([*median, *map(str, paths), "--markdown", str(tmp_path / "m.md")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tierkv / vllm-fs, store >= 1.0: 1M 1.10 met" in proc.stdout  # median of 0.8, 1.2, 1.1
+    assert "tierkv cold >= 0.9 of the device: 1M 0.92 met" in proc.stdout  # median of 0.95, 0.5, 0.92
+    assert (tmp_path / "m.md").read_text().strip() == proc.stdout.strip()
+    paths[1].write_text(json.dumps(run(0.5, 0.5)))
+    proc = subprocess.run([*median, *map(str, paths)], capture_output=True, text=True, timeout=60)
+    assert "1M 0.80 NOT met" in proc.stdout and "1M 0.50 NOT met" not in proc.stdout
+    bad = subprocess.run([*median, str(tmp_path / "none.json")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "none.json" in bad.stderr
+
+
 @pytest.mark.parametrize("flags", [["--sizes", "3Q"], ["--sizes", "5001"], ["--calls", "x"],
                                    ["--calls", "5-2"], ["--repeats", "0"], ["--mb-per-size", "-1"]])
 def test_a_bad_flag_is_one_usage_line_not_a_traceback(flags: list[str]) -> None:
