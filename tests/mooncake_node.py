@@ -21,11 +21,10 @@ import time
 from typing import Any
 
 import anyio
-import torch
 from crash_writer import FULL, REC, store_layout
-from s3_node import BB, RB, doc_hashes, full_rows, state_row
+from s3_node import doc_hashes, full_rows, restore_doc, state_row
 
-from tierkv import BackendError, BlockMissing, TieredStore
+from tierkv import BackendError, TieredStore
 from tierkv.keys import make_key
 
 
@@ -49,32 +48,8 @@ def counts(store: TieredStore) -> dict[str, Any]:
 async def restore(store: TieredStore, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     docs = []
     for d in range(spec["docs"]):
-        hs = doc_hashes(seed, d, spec["blocks"])
-        rid = f"r{seed}-{d}"
-        answers = []
-        t0 = time.monotonic()
-        with anyio.fail_after(60):
-            while True:
-                p = store.lookup_prefix(hs, request_id=rid)
-                answers.append([p.blocks, p.state.value])
-                if p.state.value != "pending":
-                    break
-                await store.idle()
-                await anyio.sleep(0.02)
-        n = p.blocks
-        result: dict[str, Any] = {"answers": answers[-3:], "first": answers[0], "blocks": n, "equal": None,
-                                  "state_equal": None, "settle_s": time.monotonic() - t0}
-        if n:
-            out = torch.zeros((n, BB), dtype=torch.uint8)
-            rec = torch.zeros((1, RB), dtype=torch.uint8)
-            try:
-                await store.get(FULL, hs[:n], out, request_id=rid)
-                result["equal"] = bool(torch.equal(out, full_rows(hs[:n])))
-                await store.get(REC, hs[n - 1:n], rec, request_id=rid)
-                result["state_equal"] = bool(torch.equal(rec, state_row(hs[n - 1])))
-            except BlockMissing as exc:
-                result["missing"] = exc.missing
-        store.release(rid)
+        result = await restore_doc(store, doc_hashes(seed, d, spec["blocks"]), f"r{seed}-{d}")
+        result["first"], result["answers"] = result["answers"][0], result["answers"][-3:]
         docs.append(result)
     return docs
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -78,35 +79,41 @@ async def write(spec: dict[str, Any]) -> None:
         _emit({"event": "written", **_tier_counts(store)})
 
 
+async def restore_doc(store: TieredStore, hs: list[bytes], rid: str) -> dict[str, Any]:
+    """Restore one document as an engine does: ``lookup_prefix`` until the answer settles, then
+    ``get`` of the prefix found (its full blocks and the recurrent state at its end). The answers,
+    the blocks found, whether their bytes are the writer's, and how long the answer took."""
+    answers = []
+    t0 = time.monotonic()
+    with anyio.fail_after(60):
+        while True:
+            p = store.lookup_prefix(hs, request_id=rid)
+            answers.append([p.blocks, p.state.value])
+            if p.state.value != "pending":
+                break
+            await store.idle()
+            await anyio.sleep(0.02)
+    n = p.blocks
+    result: dict[str, Any] = {"answers": answers, "blocks": n, "equal": None, "state_equal": None,
+                              "settle_s": time.monotonic() - t0}
+    if n:
+        out = torch.zeros((n, BB), dtype=torch.uint8)
+        rec = torch.zeros((1, RB), dtype=torch.uint8)
+        try:
+            await store.get(FULL, hs[:n], out, request_id=rid)
+            result["equal"] = bool(torch.equal(out, full_rows(hs[:n])))
+            await store.get(REC, hs[n - 1:n], rec, request_id=rid)
+            result["state_equal"] = bool(torch.equal(rec, state_row(hs[n - 1])))
+        except BlockMissing as exc:
+            result["missing"] = exc.missing
+    store.release(rid)
+    return result
+
+
 async def restore(spec: dict[str, Any]) -> None:
-    docs = []
     async with TieredStore(config(spec, {FULL: 64, REC: 4})) as store:
-        for d in range(spec["docs"]):
-            hs = doc_hashes(spec["seed"], d, spec["blocks"])
-            rid = f"doc-{d}"
-            answers = []
-            with anyio.fail_after(60):
-                while True:
-                    p = store.lookup_prefix(hs, request_id=rid)
-                    answers.append([p.blocks, p.state.value])
-                    if p.state.value != "pending":
-                        break
-                    await store.idle()
-                    await anyio.sleep(0.02)
-            n = p.blocks
-            result: dict[str, Any] = {"answers": answers, "blocks": n, "equal": None, "state_equal": None}
-            if n:
-                out = torch.zeros((n, BB), dtype=torch.uint8)
-                rec = torch.zeros((1, RB), dtype=torch.uint8)
-                try:
-                    await store.get(FULL, hs[:n], out, request_id=rid)
-                    result["equal"] = bool(torch.equal(out, full_rows(hs[:n])))
-                    await store.get(REC, hs[n - 1:n], rec, request_id=rid)
-                    result["state_equal"] = bool(torch.equal(rec, state_row(hs[n - 1])))
-                except BlockMissing as exc:
-                    result["missing"] = exc.missing
-            store.release(rid)
-            docs.append(result)
+        docs = [await restore_doc(store, doc_hashes(spec["seed"], d, spec["blocks"]), f"doc-{d}")
+                for d in range(spec["docs"])]
         _emit({"event": "restored", "docs": docs, **_tier_counts(store)})
 
 

@@ -139,6 +139,38 @@ class _Lines:
         return line
 
 
+class NodeProcess:
+    """A test node (``python script args...``): a JSON spec as the first line on its stdin, commands
+    after it, JSON events (``{"event": name, ...}``) on its stdout, its stderr kept in ``log``."""
+
+    def __init__(self, argv: list[str], spec: dict[str, Any], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, env=_env())
+        self.lines = _Lines(self.proc)
+        self.send(json.dumps(spec))
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def event(self, name: str, timeout: float) -> dict[str, Any]:
+        """The next event, which must be ``name``."""
+        line = self.lines.q.get(timeout=timeout)
+        assert line is not None, f"node ended before {name!r}:\n{self.stderr()}"
+        ev: dict[str, Any] = json.loads(line)
+        assert ev["event"] == name, ev
+        return ev
+
+    def finish(self) -> None:
+        assert self.proc.wait(timeout=60) == 0, self.stderr()
+
+
 def _kill_loop(url: str, kills: int, first_run: int, rng: random.Random) -> tuple[set[bytes], int]:
     """Fork ``kills`` writers and SIGKILL each at a random moment; returns the acked keys."""
     acked: set[bytes] = set()

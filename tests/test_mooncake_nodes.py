@@ -33,29 +33,11 @@ NODES, DOCS, BLOCKS = 3, 3, 8
 START_S, WORK_S = 120.0, 120.0
 
 
-class Node:
+class Node(process_tests.NodeProcess):
     """One ``mooncake_node.py`` process: commands on its stdin, JSON events on its stdout."""
 
     def __init__(self, spec: dict[str, Any], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, NODE], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=process_tests._env())
-        self.lines = process_tests._Lines(self.proc)
-        self.send(json.dumps(spec))
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-
-    def event(self, name: str, timeout: float) -> dict[str, Any]:
-        line = self.lines.q.get(timeout=timeout)
-        tail = self.log.read_text(errors="replace")[-3000:]
-        assert line is not None, f"node ended before {name!r}:\n{tail}"
-        ev: dict[str, Any] = json.loads(line)
-        assert ev["event"] == name, ev
-        return ev
+        super().__init__([NODE], spec, log)
 
     def restore(self, seed: int) -> list[dict[str, Any]]:
         self.send(f"restore {seed}")

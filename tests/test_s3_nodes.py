@@ -5,9 +5,6 @@ run ``tests/s3_node.py``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,34 +65,11 @@ def shared(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
     return Shared(f"s3://{bucket}/kv", server.storage_options(), records)
 
 
-class Node:
-    """One ``s3_node.py`` process: the spec goes on its stdin, JSON events come back on stdout."""
+class Node(process_tests.NodeProcess):
+    """One ``s3_node.py`` process in ``mode`` (write, restore, fill)."""
 
     def __init__(self, mode: str, spec: dict[str, Any], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, NODE, mode], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=process_tests._env())
-        self.lines = process_tests._Lines(self.proc)
-        self.send(json.dumps(spec))
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    def event(self, name: str, timeout: float) -> dict[str, Any]:
-        line = self.lines.q.get(timeout=timeout)
-        assert line is not None, f"node ended before {name!r}:\n{self.stderr()}"
-        ev: dict[str, Any] = json.loads(line)
-        assert ev["event"] == name, ev
-        return ev
-
-    def finish(self) -> None:
-        assert self.proc.wait(timeout=60) == 0, self.stderr()
+        super().__init__([NODE, mode], spec, log)
 
 
 @contextmanager

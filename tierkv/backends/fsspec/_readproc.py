@@ -73,18 +73,10 @@ class ReaderProcess:
 
     def ready(self) -> bool:
         """True once the helper has mapped the regions (never waits)."""
-        if self.state == "starting" and self._lock.acquire(blocking=False):
-            try:
-                if self._recv.poll(0):
-                    self.state = "ready" if self._recv.recv() == "ready" else "dead"
-            except (EOFError, OSError):
-                self.state = "dead"
-            finally:
-                self._lock.release()
-        return self.state == "ready"
+        return self.wait_ready(0.0)
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the helper to be ready; whether it is."""
+        """Wait at most ``timeout`` seconds for the helper to be ready (0: not at all); whether it is."""
         if self.state == "starting" and self._lock.acquire(timeout=max(0.0, timeout)):
             try:
                 if self.state == "starting" and self._recv.poll(max(0.0, timeout)):
