@@ -6,7 +6,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import ConfigDict, Field, PositiveInt
@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, PositiveInt
 from tierkv.layout import Layout
 from tierkv.numbers import MAX_WAIT_S, StrictNumbers
 
-__all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext"]
+__all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext", "old_name"]
 
 #: called with ``"stored"`` or ``"removed"`` and the keys concerned
 KeyListener = Callable[[str, list[bytes]], None]
@@ -78,6 +78,20 @@ class TierConfig(StrictNumbers):
     #: how often a tier that is down is asked whether it answers again
     health_interval_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
 
+
+
+def old_name(data: Any, old: str, new: str, meaning: str = "") -> Any:
+    """A tier's settings (a ``mode="before"`` validator's input) with ``old``, a setting's former
+    name, moved to ``new``; a ValueError naming ``new`` when both are set and differ."""
+    if not isinstance(data, dict) or data.get(old) is None:
+        return data
+    data = dict(data)
+    value = data.pop(old)
+    if data.get(new) not in (None, value):
+        raise ValueError(f"{old} is the old name of {new}{meaning}: set {new} only (got {old}={value}, "
+                         f"{new}={data[new]})")
+    data[new] = value
+    return data
 
 
 @dataclass(frozen=True)

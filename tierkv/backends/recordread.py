@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.backends.fsspec._io import RecordSource, SpecialFile
-from tierkv.backends.fsspec._outcomes import ABSENT, REFUSED_REASONS, Damaged, Found, RecordRead, Refused
+from tierkv.backends.fsspec._outcomes import ABSENT, Damaged, Found, RecordRead, Refused
+from tierkv.backends.fsspec._verdicts import NOT_OURS
 from tierkv.encryption import KeyRing
 from tierkv.errors import CorruptRecord
 from tierkv.record import (
@@ -94,5 +95,5 @@ def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fing
     try:
         decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.size, out=row, keys=ring)
     except CorruptRecord as exc:
-        return Refused(exc.reason) if exc.reason in REFUSED_REASONS else Damaged(exc.reason)
+        return Refused(exc.reason) if exc.reason in NOT_OURS else Damaged(exc.reason)
     return Found(data.nbytes)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from tierkv.backends.base import TierConfig
+from tierkv.backends.base import TierConfig, old_name
 from tierkv.backends.fsspec._open import is_local_url, url_problem
 from tierkv.backends.fsspec._redact import redact_url
 from tierkv.numbers import MAX_WAIT_S
@@ -84,16 +84,9 @@ class FsspecTierConfig(TierConfig):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("io_threads") is not None \
-                and not is_local_url(str(data.get("url", ""))):
-            data = dict(data)
-            old = data.pop("io_threads")
-            if data.get("io_depth") not in (None, old):
-                raise ValueError(f"io_threads is the old name of io_depth off local paths (requests in "
-                                 f"flight): set io_depth only (got io_threads={old}, "
-                                 f"io_depth={data['io_depth']})")
-            data["io_depth"] = old
-        return data
+        if isinstance(data, dict) and is_local_url(str(data.get("url", ""))):
+            return data  # local paths: io_threads is a setting of its own
+        return old_name(data, "io_threads", "io_depth", " off local paths (requests in flight)")
 
     @field_validator("file_mode", mode="before")
     @classmethod

@@ -136,8 +136,8 @@ S3_FAIL_FAST: dict[str, Any] = {"retries": {"total_max_attempts": 1, "mode": "st
                                 "connect_timeout": 5, "read_timeout": 30}
 
 
-def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter,
-                threads: int | None, fsync: bool, depth: int = 16,
+def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.CapacityLimiter | None,
+                threads: int | None, fsync: bool, depth: int | None = None,
                 retry: RetryPolicy | None = None, direct_io: bool | str = False,
                 read_processes: int | str = 0, file_mode: int = 0o600,
                 s3_client: str = "auto") -> tuple[Driver, str]:
@@ -148,7 +148,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     for the device, and ``direct_io`` (the tier's setting,
     settled by :meth:`~tierkv.backends.fsspec._local.LocalDriver.prepare`) and ``read_processes``
     (``"auto"``: :func:`default_read_processes`); other file systems are bounded by ``limiter``
-    (the tier's ``io_depth``).
+    (None: one of ``depth``, the tier's ``io_depth``). ``depth`` None: :func:`default_io_depth`.
 
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
@@ -159,6 +159,9 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     parts = urlsplit(url)
     protocol = parts.scheme or "file"
     url, storage_options = _split_userinfo(url, protocol, storage_options)
+    depth = depth or default_io_depth(local=protocol in ("file", "local"))
+    if limiter is None:
+        limiter = anyio.CapacityLimiter(depth)
     if protocol in ("file", "local"):
         check_storage_options(protocol, None, storage_options)
         parts = urlsplit(url)

@@ -14,13 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["ABSENT", "REFUSED_REASONS", "SKIPPED", "Absent", "Damaged", "Failed", "Found", "RecordRead",
+__all__ = ["ABSENT", "SKIPPED", "Absent", "Damaged", "Failed", "Found", "RecordRead",
            "RecordWrite", "Refused", "Skipped", "Written"]
-
-#: reasons a sound record is not served: sealed with a key this store lacks, or not sealed at all
-#: where ``read_unencrypted`` is off
-REFUSED_REASONS: Final = frozenset({"encrypted", "plaintext"})
-
 
 @dataclass(frozen=True, slots=True)
 class Found:
@@ -44,7 +39,9 @@ class Damaged:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A sound record this store may not serve (``reason`` in :data:`REFUSED_REASONS`)."""
+    """A sound record this store may not serve (``reason``: ``encrypted``, sealed with a key this
+    store lacks, or ``plaintext``, not sealed where ``read_unencrypted`` is off; the keys of
+    :data:`~tierkv.backends.fsspec._verdicts.NOT_OURS`)."""
 
     reason: str
 

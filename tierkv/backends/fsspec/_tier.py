@@ -49,13 +49,7 @@ from tierkv.backends.fsspec._io import (
     RecordSource,
     temp_owner_alive,
 )
-from tierkv.backends.fsspec._open import (
-    default_io_depth,
-    default_io_threads,
-    is_local_url,
-    open_driver,
-    url_problem,
-)
+from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec._outcomes import Failed, RecordRead, Skipped, Written
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
@@ -178,17 +172,14 @@ class FsspecTier(Tier):
             with anyio.move_on_after(1):
                 await old.close()
         cfg = self.cfg
-        local = is_local_url(cfg.url)
-        depth = cfg.io_depth or default_io_depth(local=local)
-        limiter = anyio.CapacityLimiter((cfg.io_threads or default_io_threads()) if local else depth)
         try:
             if cfg.encryption_key_file is not None:
                 self._ring = KeyRing.from_files(cfg.encryption_key_file, cfg.encryption_old_key_files,
                                                 cfg.read_unencrypted)
             retry = RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s,
                                 timeout_s=cfg.request_timeout_s)
-            self._driver, self.root = open_driver(cfg.url, cfg.storage_options, limiter, cfg.io_threads,
-                                                  cfg.fsync, depth, retry, cfg.direct_io,
+            self._driver, self.root = open_driver(cfg.url, cfg.storage_options, None, cfg.io_threads,
+                                                  cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
                                                   cfg.read_processes, cfg.file_mode, cfg.s3_client)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()

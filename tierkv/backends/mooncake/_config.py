@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from tierkv.backends.base import TierConfig
+from tierkv.backends.base import TierConfig, old_name
 from tierkv.numbers import MAX_WAIT_S
 
 __all__ = ["MooncakeTierConfig", "local_address", "split_endpoint"]
@@ -73,14 +73,7 @@ class MooncakeTierConfig(TierConfig):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "io_threads" in data:
-            data = dict(data)
-            old = data.pop("io_threads")
-            if data.get("io_depth") not in (None, old):
-                raise ValueError(f"io_threads is the old name of io_depth: set io_depth only (got "
-                                 f"io_threads={old}, io_depth={data['io_depth']})")
-            data["io_depth"] = old
-        return data
+        return old_name(data, "io_threads", "io_depth")
 
     @field_validator("master")
     @classmethod
