@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import signal
+import struct
 import subprocess
 from typing import Any
 
@@ -64,3 +67,15 @@ def ctrl_c(proc: subprocess.Popen[str], timeout: float = 60) -> str:
         proc.communicate()
         pytest.fail(f"{proc.args!r} did not end on Ctrl-C")
     return err
+
+
+def extents(path: Any) -> int:
+    """How many extents hold ``path``'s blocks on disk (``FS_IOC_FIEMAP``, after syncing the file):
+    1 when the file lies in one piece."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        req = bytearray(struct.pack("=QQIIII", 0, 2**64 - 1, 1, 0, 0, 0))  # FIEMAP_FLAG_SYNC, no extent array
+        fcntl.ioctl(fd, 0xC020660B, req)  # FS_IOC_FIEMAP
+        return int(struct.unpack_from("=I", req, 20)[0])  # fm_mapped_extents
+    finally:
+        os.close(fd)

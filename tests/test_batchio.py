@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import extents
 from test_filesystems import full_tmpfs
 
 from tierkv.backends.fsspec import _batchio as batchio
@@ -152,6 +153,34 @@ def test_nowait_reads_what_the_page_cache_holds_and_says_when_it_would_wait(io: 
     assert bytes(bufs[0]) == recs[0].tobytes()
     assert io.read_batch([tmp_path / "r1"], [bufs[1]]) == [1 << 20]
     assert bytes(bufs[1]) == recs[1].tobytes()
+
+
+def test_asking_the_page_cache_starts_no_read_of_a_record_it_does_not_hold(io: ModuleType,
+                                                                           tmp_path: Path) -> None:
+    """A page-cache-only read of a cold record says -EAGAIN without starting the kernel's readahead:
+    the read that waits for the device then reads it once, not after a first pass did."""
+    if probe_nowait(str(tmp_path)) is not True:
+        pytest.fail(f"{tmp_path} does not do RWF_NOWAIT reads: this test needs a disk file system")
+    write(io, tmp_path, [data(4 << 20)])
+    evict(tmp_path / "r0")
+    assert io.read_batch([tmp_path / "r0"], [bytearray(4 << 20)], nowait=True) == [-errno.EAGAIN]
+    time.sleep(0.3)  # a started readahead of 4 MiB has landed by now
+    fd = os.open(tmp_path / "r0", os.O_RDONLY)
+    try:
+        held = batchio_py.page_cached(fd, 4 << 20)
+        assert held is not None, "this kernel has cachestat (Linux 6.5): the machines tierkv is tested on do"
+        assert held is False, "the page cache holds the record: the non-blocking read started reading it"
+    finally:
+        os.close(fd)
+
+
+def test_direct_writes_lie_in_one_piece_on_disk(io: ModuleType, tmp_path: Path) -> None:
+    """A record of whole blocks written with O_DIRECT and a tail written buffered occupies one
+    extent: the tail's block is allocated with the others, not later and elsewhere."""
+    recs = [data((1 << 20) + 136, seed=i) for i in range(8)]
+    sizes, used, _ = write(io, tmp_path, recs, direct=True)
+    assert sizes == [(1 << 20) + 136] * 8 and used == 8
+    assert [extents(tmp_path / f"r{i}") for i in range(8)] == [1] * 8
 
 
 def test_nowait_on_tmpfs_is_refused_with_eopnotsupp(io: ModuleType) -> None:

@@ -12,11 +12,15 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import extents
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.fsspec import _directio as directio
+from tierkv.backends.fsspec._batchio_py import page_cached
+from tierkv.backends.fsspec._io import WouldBlock
+from tierkv.backends.fsspec._local import LocalSource
 from tierkv.errors import BackendError
 from tierkv.keys import make_key
 
@@ -102,6 +106,45 @@ async def test_large_records_written_directly_read_back_cold_byte_exact(root: Pa
     assert len(sizes) == 1 and sizes.pop() % directio.ALIGN != 0
 
 
+async def test_records_written_directly_lie_in_one_piece(root: Path) -> None:
+    """Each record (whole blocks with O_DIRECT, its tail buffered) is one extent on disk, so a cold
+    read of it is one request to the device, not two in two places."""
+    t = tier(root)
+    await t.open()
+    try:
+        assert await t.put(0, keys(6), blocks(6)) == [True] * 6
+        t.used_bytes()  # gathers the driver's counts
+        assert t.counters.get("direct_writes") == 6
+    finally:
+        await t.close()
+    assert [extents(p) for p in record_files(root)] == [1] * 6
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+async def test_a_page_cache_pass_leaves_a_cold_record_unread(root: Path, native: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first, non-blocking look at a cold record tells the tier to wait for it without having
+    started to read it (which made the first pass do the device's work, one record at a time)."""
+    if not native:
+        monkeypatch.setenv("TIERKV_NATIVE", "0")
+    t = tier(root)
+    await t.open()
+    try:
+        assert await t.put(0, keys(1), blocks(1)) == [True]
+    finally:
+        await t.close()
+    evict_from_page_cache(root)
+    (path,) = record_files(root)
+    with pytest.raises(WouldBlock):
+        LocalSource(str(path), nowait=True).readinto([bytearray(BB + 4096)])
+    await anyio.sleep(0.3)  # a readahead started would have landed by now
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert page_cached(fd, os.fstat(fd).st_size) is False
+    finally:
+        os.close(fd)
+
+
 async def test_direct_and_buffered_records_are_the_same_bytes(tmp_path: Path, root: Path) -> None:
     data = blocks(3)
     other = tmp_path / "buffered"
@@ -182,6 +225,9 @@ async def test_a_file_system_without_o_direct_falls_back_or_fails_clearly(
 
 async def test_a_direct_write_refused_after_the_probe_is_written_buffered(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python path's fallback (the C module's is tests/test_batchio.py's, on a file system that
+    refuses O_DIRECT: the refusal here is a patched ``os.open``, which the C module does not call)."""
+    monkeypatch.setenv("TIERKV_NATIVE", "0")
     t = tier(root)
     await t.open()
     try:

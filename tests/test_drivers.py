@@ -5,6 +5,7 @@ setting (``io_depth``) each driver honours."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from tierkv.backends.fsspec import FsspecTierConfig
-from tierkv.backends.fsspec._io import Driver, RecordSource
+from tierkv.backends.fsspec._io import Driver, RecordSource, WouldBlock
 from tierkv.backends.fsspec._open import open_driver
 from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Written
 from tierkv.backends.fsspec._tier import FsspecTier
@@ -126,3 +127,31 @@ async def test_every_driver_bounds_its_io_by_io_depth(url: str, tmp_path: Path) 
             assert 1 < most <= 3, most
     finally:
         await tier.close()
+
+
+async def test_a_record_that_waits_for_the_device_is_read_while_the_page_cache_pass_goes_on(
+        tmp_path: Path) -> None:
+    """A cold record starts its blocking read as soon as the page-cache pass finds it cold, not
+    after that pass has looked at every record of the batch: here the pass's second record waits
+    until the first one's read has started."""
+    d, root = open_driver(f"file://{tmp_path}", {}, anyio.CapacityLimiter(2), 2, False, depth=2)
+    try:
+        paths = [f"{root}/r/{i}.tkv" for i in range(2)]
+        await d.write_records(paths, lambda i: [bytes([i]) * 16], 32)
+        started = threading.Event()
+
+        def job(i: int, src: Any) -> Any:
+            if i == 0 and src.nowait:
+                raise WouldBlock  # as for a record the page cache does not hold
+            if i == 0:
+                started.set()
+            elif src.nowait and not started.wait(10):
+                raise OSError(110, "the cold read of record 0 had not started")
+            buf = bytearray(16)
+            return bytes(buf[:src.readinto([buf])])
+
+        with anyio.fail_after(30):
+            got = await d.read_records(paths, 17, job, 32)
+        assert got == [bytes([0]) * 16, bytes([1]) * 16]
+    finally:
+        await d.close()

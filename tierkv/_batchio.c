@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -90,6 +91,42 @@ static char *scratch_get(char **scratch) {
         *scratch = p;
     }
     return *scratch;
+}
+
+/* The calling thread's scratch, kept across calls (a Python worker thread reads many records) and
+ * freed when the thread ends. */
+static pthread_key_t caller_scratch;
+
+static void scratch_free(void *p) { free(p); }
+
+/* ---- page-cache residency (cachestat, Linux 6.5) --------------------------------------------- */
+
+#ifndef __NR_cachestat
+#define __NR_cachestat 451 /* the same number on every architecture */
+#endif
+
+struct cs_range {
+    unsigned long long off, len;
+};
+struct cs_stat {
+    unsigned long long nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+static int has_cachestat = 0; /* set at import */
+
+/* 1 when the page cache holds every page of the first `size` bytes of fd, 0 when not, -1 when the
+ * kernel cannot say (no cachestat: the caller then asks with an RWF_NOWAIT read). */
+static int cached_whole(int fd, off_t size) {
+    if (!has_cachestat)
+        return -1;
+    if (size <= 0)
+        return 1;
+    struct cs_range r = {0, (unsigned long long)size};
+    struct cs_stat s;
+    if (syscall(__NR_cachestat, fd, &r, &s, 0) != 0)
+        return -1;
+    long page = sysconf(_SC_PAGESIZE);
+    return s.nr_cache >= (unsigned long long)((size + page - 1) / page);
 }
 
 /* ---- reads ------------------------------------------------------------------------------------ */
@@ -179,6 +216,11 @@ static long long read_one(ReadJob *j, int direct, int nowait, char **scratch) {
         r = -errno;
     } else if (!S_ISREG(st.st_mode)) {
         r = -ESPIPE;
+    } else if (nowait && cached_whole(fd, st.st_size) == 0) {
+        /* not all in the page cache: said without a read, which would start the kernel's
+         * readahead here and have the caller read the same pages again (or, with O_DIRECT,
+         * fetch them from the device twice) */
+        r = -EAGAIN;
     } else if (direct) {
         int refuse = 0;
         char *buf = scratch_get(scratch);
@@ -292,9 +334,12 @@ static int write_buffered(int fd, const Parts *p) {
 }
 
 /* Whole aligned blocks with O_DIRECT from the scratch; the bytes after the last one buffered, with
- * O_DIRECT turned off on fd first (what tierkv/backends/directio.py does). */
+ * O_DIRECT turned off on fd first, every block allocated before (what
+ * tierkv/backends/fsspec/_directio.py does). */
 static int write_direct(int fd, const Parts *p, char *buf) {
     Py_ssize_t done = 0;
+    if (p->total % ALIGN)
+        (void)fallocate(fd, 0, 0, p->total); /* the tail's block right after the others (directio.py) */
     while (done < p->total) {
         Py_ssize_t fill = p->total - done < CHUNK ? p->total - done : CHUNK;
         parts_copy(p, done, buf, fill, 0);
@@ -489,7 +534,7 @@ static void pool_after_fork(void) {
 
 /* Called with the GIL released. */
 static void run_batch(Batch *b, int threads) {
-    char *scratch = NULL;
+    char *scratch = pthread_getspecific(caller_scratch);
     b->helpers = (int)(threads - 1 < b->n - 1 ? threads - 1 : b->n - 1);
     if (b->helpers > 0) {
         pthread_mutex_lock(&pool_mu);
@@ -500,7 +545,7 @@ static void run_batch(Batch *b, int threads) {
         pthread_mutex_unlock(&pool_mu);
     }
     work(b, &scratch);
-    free(scratch);
+    pthread_setspecific(caller_scratch, scratch);
     if (b->helpers > 0) {
         pthread_mutex_lock(&pool_mu);
         for (Batch **p = &pool_queue; *p != NULL; p = &(*p)->queued) {
@@ -801,13 +846,19 @@ PyMODINIT_FUNC PyInit__batchio(void) {
     if (!forked) {
         if (pthread_atfork(NULL, NULL, pool_after_fork) != 0)
             return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
+        if (pthread_key_create(&caller_scratch, scratch_free) != 0)
+            return PyErr_Format(PyExc_OSError, "pthread_key_create failed");
+        struct cs_range r = {0, 0};
+        struct cs_stat s;
+        has_cachestat = syscall(__NR_cachestat, -1, &r, &s, 0) != 0 && errno == EBADF;
         forked = 1;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "ALIGN", ALIGN) != 0 || PyModule_AddIntConstant(m, "CHUNK_BYTES", CHUNK) != 0
-        || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) != 0) {
+        || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) != 0
+        || PyModule_AddIntConstant(m, "CACHESTAT", has_cachestat) != 0) {
         Py_DECREF(m);
         return NULL;
     }

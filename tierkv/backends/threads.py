@@ -115,16 +115,21 @@ class Jobs:
 
     async def run_all(self, pool: DaemonPool, calls: list[Callable[[], T]], stop: list[bool] | None = None,
                       buffers: bool = True) -> list[T]:
-        """Run ``calls`` on ``pool``; their results in order, once every one has ended.
+        """Run ``calls`` on ``pool``; their results in order, once every one has ended (see :meth:`wait`)."""
+        return await self.wait([pool.submit(c) for c in calls], stop, buffers)
 
-        The event loop is woken once, when the last call ends (not once per call). On
-        cancellation (or an error) the calls not started are dropped, ``stop[0]`` is set for
+    async def wait(self, jobs: list[Future[T]], stop: list[bool] | None = None,
+                   buffers: bool = True) -> list[T]:
+        """The results of ``jobs`` (submitted to a :class:`DaemonPool`), in order, once every one has ended.
+
+        The event loop is woken once, when the last job ends (not once per job). On
+        cancellation (or an error) the jobs not started are dropped, ``stop[0]`` is set for
         those running to end early, and, when they use the caller's ``buffers``, this waits for
         them before it raises (until :meth:`abandon`: then it stops waiting).
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        left = [len(calls)]
+        left = [len(jobs)]
         lock = threading.Lock()
 
         def finished(_: object) -> None:
@@ -134,7 +139,6 @@ class Jobs:
             if last:
                 loop.call_soon_threadsafe(_resolve, done)
 
-        jobs = [pool.submit(c) for c in calls]
         for j in jobs:
             j.add_done_callback(finished)
         try:

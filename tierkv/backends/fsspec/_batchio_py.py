@@ -8,6 +8,7 @@ releases the GIL while it runs, but the interpreter is taken back between them).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -114,6 +115,51 @@ def _no_direct(fd: int) -> None:
 
 
 # ---- reads ------------------------------------------------------------------------------------------
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_CACHESTAT = 451  # the same number on every architecture (Linux 6.5)
+
+
+def _syscall() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    if fn(_CACHESTAT, -1, ctypes.byref(_Range()), ctypes.byref(_CacheStat()), 0) == 0 \
+            or ctypes.get_errno() != errno.EBADF:  # no cachestat in this kernel (ENOSYS)
+        return None
+    return fn
+
+
+_cachestat = _syscall() if os.uname().sysname == "Linux" else None
+
+
+def page_cached(fd: int, size: int) -> bool | None:
+    """Whether the page cache holds every page of the first ``size`` bytes of ``fd``, asked without
+    reading (``cachestat``); None where the kernel cannot say (before Linux 6.5).
+
+    A page-cache-only read (``RWF_NOWAIT``) of a record that is not there starts the kernel's
+    readahead of it before it gives up: the read that follows finds it on its way, but the
+    non-blocking pass then did a cold read's work, one record after the other.
+    """
+    if _cachestat is None:
+        return None
+    if size <= 0:
+        return True
+    rng, st = _Range(0, size), _CacheStat()
+    if _cachestat(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return None
+    return bool(st.nr_cache >= -(-size // mmap.PAGESIZE))
+
+
 def _read_buffered(fd: int, views: list[memoryview], total: int, nowait: bool) -> int:
     off = 0
     while off < total:
@@ -180,6 +226,8 @@ def _read_one(path: str | bytes, views: list[memoryview], direct: bool, nowait: 
                 return got
             _no_direct(fd)
             return _read_buffered(fd, views, total, False)
+        if nowait and page_cached(fd, os.fstat(fd).st_size) is False:
+            return -errno.EAGAIN
         return _read_buffered(fd, views, total, nowait)
     except OSError as exc:
         return -(exc.errno or errno.EIO)

@@ -14,17 +14,19 @@ not) is found out once by :func:`probe`.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from tierkv.backends.fsspec._io import temp_name
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "O_DIRECT", "UNSUPPORTED", "probe", "write_file"]
+__all__ = ["ALIGN", "CHUNK_BYTES", "O_DIRECT", "UNSUPPORTED", "preallocate", "probe", "write_file"]
 
 #: ``O_DIRECT`` where the platform has it, else 0 (then :func:`probe` always says no)
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -98,10 +100,13 @@ def write_file(fd: int, parts: list[Any]) -> int:
 
     Whole :data:`ALIGN` blocks go straight to the device; the bytes after the last one (the end
     of a record whose length is not a multiple of it) are written buffered, with ``O_DIRECT``
-    turned off on ``fd`` first: measured cheaper than padding and truncating the file back.
+    turned off on ``fd`` first: measured cheaper than padding and truncating the file back. The
+    file's blocks are allocated first (:func:`preallocate`), so that tail lies right after them.
     """
     views = [_bytes(p) for p in parts]
     total = sum(len(v) for v in views)
+    if total % ALIGN:
+        preallocate(fd, total)
     scratch = _buffer(total)
     done = 0
     vi, vo = 0, 0
@@ -123,6 +128,32 @@ def write_file(fd: int, parts: list[Any]) -> int:
             _pwrite_all(fd, scratch[aligned:fill], done + aligned)
         done += fill
     return total
+
+
+def _libc_fallocate() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # not Linux with glibc or musl
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate()
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Give the new file ``fd`` all ``size`` bytes' blocks at once (``fallocate``); False where the
+    file system cannot (the writes then allocate them, as without it).
+
+    Without it, the whole blocks written with ``O_DIRECT`` are placed at once but the buffered
+    tail only at writeback, away from them: every record read from the device took two requests
+    in two places (docs/performance.md, "Cold loads: where the time goes"). Not
+    ``os.posix_fallocate``: where the file system has no ``fallocate`` the C library emulates it
+    by writing every block.
+    """
+    return _fallocate is not None and _fallocate(fd, 0, 0, size) == 0
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -11,6 +11,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import anyio
@@ -18,7 +19,7 @@ import anyio
 from tierkv import sharedmem
 from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._batchio_py import make_dirs
+from tierkv.backends.fsspec._batchio_py import make_dirs, page_cached
 from tierkv.backends.fsspec._io import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -134,6 +135,8 @@ class LocalSource:
         try:
             if not self.nowait:
                 return os.readv(fd, bufs)
+            if page_cached(fd, os.fstat(fd).st_size) is False:
+                raise WouldBlock
             try:
                 got = os.preadv(fd, bufs, 0, RWF_NOWAIT)  # type: ignore[arg-type]
             except BlockingIOError:
@@ -426,40 +429,54 @@ class LocalDriver(Driver):
 
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
         (:mod:`~tierkv.backends.fsspec._readproc`); what they could not verify is read here. Jobs first
-        run on the CPU-count threads reading only what the page cache holds; those whose record
-        must come from the device run again on up to ``depth`` threads that wait for it, so a
-        cold batch keeps the device busy without slowing down warm reads. Reads stay buffered
-        with direct I/O on: cold ``O_DIRECT`` reads measured slower (the first, non-blocking pass
-        starts the kernel's readahead for every record; docs/design.md).
+        run on the CPU-count threads reading only what the page cache holds (asked with
+        ``cachestat`` first, so a cold record is told apart without starting its read); each record
+        that must come from the device is handed at once to up to ``depth`` threads that wait for
+        it, while the first pass goes on: a cold batch keeps the device busy from its first
+        record, and warm reads never queue behind cold ones. Reads stay buffered with direct I/O on
+        (as fast here, and a record read once is in the page cache for every process on the node).
         """
         results: list[Any] = [None] * len(paths)
         todo = list(range(len(paths)))
         if inplace is not None and self._readers is not None:
             todo = await self._read_in_helpers(self._readers, paths, inplace, results)
+        nowait = self.nowait
+        stop, refused = [False], [False]
+        cold: list[Future[None]] = []  # the records that wait for the device, as each is found
+
+        def cold_read(i: int) -> None:
+            if stop[0]:
+                return
+            try:
+                results[i] = job(i, LocalSource(paths[i]))
+            except OSError as exc:
+                results[i] = detach(exc)
+
+        def first(j: int) -> Any:
+            i = todo[j]
+            try:
+                results[i] = job(i, LocalSource(paths[i], nowait=nowait))
+            except WouldBlock as exc:
+                refused[0] = refused[0] or isinstance(exc, NoWaitUnsupported)
+                cold.append(self._cold_pool().submit(functools.partial(cold_read, i)))
+            except OSError as exc:
+                results[i] = detach(exc)
+
         if todo:
-            nowait = self.nowait
-            got = await self.map(lambda j: job(todo[j], LocalSource(paths[todo[j]], nowait=nowait)),
-                                 len(todo), nbytes * len(todo) // len(paths))
-            for i, r in zip(todo, got, strict=True):
-                results[i] = r
-            if any(isinstance(r, NoWaitUnsupported) for r in got):
-                await self.refuse_nowait("a read")
-        cold = [i for i in todo if isinstance(results[i], WouldBlock)]
-        if cold:
+            try:
+                await self.map(first, len(todo), nbytes * len(todo) // len(paths))
+            finally:  # cancelled too: the cold reads already started write into the caller's rows
+                if cold:
+                    await self._jobs.wait(cold, stop)
+        if refused[0]:
+            await self.refuse_nowait("a read")
+        return [Failed(r) if isinstance(r, BaseException) else r for r in results]
+
+    def _cold_pool(self) -> DaemonPool:
+        with self._count_lock:
             if self._cold is None:
                 self._cold = DaemonPool(self.depth, "tierkv-io-wait")
-            stop = [False]
-
-            def one(i: int) -> None:
-                if stop[0]:
-                    return
-                try:
-                    results[i] = job(i, LocalSource(paths[i]))
-                except OSError as exc:
-                    results[i] = detach(exc)
-
-            await self._jobs.run_all(self._cold, [functools.partial(one, i) for i in cold], stop)
-        return [Failed(r) if isinstance(r, BaseException) else r for r in results]
+            return self._cold
 
     async def _read_in_helpers(self, readers: ReaderProcesses, paths: list[str],
                                inplace: list[tuple[bytes, Any]], results: list[Any]) -> list[int]:
@@ -500,6 +517,18 @@ class LocalDriver(Driver):
                         len(readers.procs))
 
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
+        c = batchio.native()
+        if c is not None:  # the whole publication in one call of the C module, the GIL released
+            bufs = data if isinstance(data, list) else [data]
+            (size,), direct, refused = c.write_batch([(path, temp_name(path), bufs)], self.fsync, self.file_mode,
+                                                     self.direct, DIRECT_MIN_BYTES, self.dir_mode, 1)
+            if size < 0:
+                raise OSError(-size, os.strerror(-size), path)
+            if direct:
+                self._count("direct_writes")
+            if refused:
+                self._count("direct_fallbacks")
+            return
         d = path.rpartition("/")[0]
         if d not in self._dirs:
             make_dirs(d, self.dir_mode)
