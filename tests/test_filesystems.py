@@ -199,6 +199,8 @@ async def test_inspect_says_what_the_store_found_the_file_system_does(shm_dir: P
     on_disk = await inspect_tier(f"file://{tmp_path}")
     assert on_tmpfs.features["page_cache_reads"] is (not _tmpfs_refuses_nowait(str(shm_dir)))
     assert on_disk.features["page_cache_reads"] is (localfs.probe_nowait(str(tmp_path)) is not False)
+    assert on_disk.features["cachestat"] is on_disk.features["page_cache_reads"], "Linux 6.5 on: cachestat"
+    assert on_tmpfs.features["cachestat"] is on_tmpfs.features["page_cache_reads"]
     assert "features" in on_disk.to_json()
 
 

@@ -101,7 +101,7 @@ static void scratch_free(void *p) { free(p); }
 
 /* ---- page-cache residency (cachestat, Linux 6.5) --------------------------------------------- */
 
-#ifndef __NR_cachestat
+#if defined(__linux__) && !defined(__NR_cachestat)
 #define __NR_cachestat 451 /* the same number on every architecture */
 #endif
 
@@ -117,6 +117,7 @@ static int has_cachestat = 0; /* set at import */
 /* 1 when the page cache holds every page of the first `size` bytes of fd, 0 when not, -1 when the
  * kernel cannot say (no cachestat: the caller then asks with an RWF_NOWAIT read). */
 static int cached_whole(int fd, off_t size) {
+#ifdef __NR_cachestat
     if (!has_cachestat)
         return -1;
     if (size <= 0)
@@ -127,6 +128,20 @@ static int cached_whole(int fd, off_t size) {
         return -1;
     long page = sysconf(_SC_PAGESIZE);
     return s.nr_cache >= (unsigned long long)((size + page - 1) / page);
+#else
+    return -1;
+#endif
+}
+
+/* Every block of the new file fd at once, so the tail written after the O_DIRECT blocks lies with
+ * them (tierkv/backends/fsspec/_directio.py, preallocate); nothing where the system cannot. */
+static void preallocate(int fd, off_t size) {
+#ifdef __linux__
+    (void)fallocate(fd, 0, 0, size);
+#else
+    (void)fd;
+    (void)size;
+#endif
 }
 
 /* ---- reads ------------------------------------------------------------------------------------ */
@@ -339,7 +354,7 @@ static int write_buffered(int fd, const Parts *p) {
 static int write_direct(int fd, const Parts *p, char *buf) {
     Py_ssize_t done = 0;
     if (p->total % ALIGN)
-        (void)fallocate(fd, 0, 0, p->total); /* the tail's block right after the others (directio.py) */
+        preallocate(fd, p->total);
     while (done < p->total) {
         Py_ssize_t fill = p->total - done < CHUNK ? p->total - done : CHUNK;
         parts_copy(p, done, buf, fill, 0);
@@ -848,9 +863,11 @@ PyMODINIT_FUNC PyInit__batchio(void) {
             return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
         if (pthread_key_create(&caller_scratch, scratch_free) != 0)
             return PyErr_Format(PyExc_OSError, "pthread_key_create failed");
+#ifdef __NR_cachestat
         struct cs_range r = {0, 0};
         struct cs_stat s;
         has_cachestat = syscall(__NR_cachestat, -1, &r, &s, 0) != 0 && errno == EBADF;
+#endif
         forked = 1;
     }
     PyObject *m = PyModule_Create(&module);

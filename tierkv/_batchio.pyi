@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 ALIGN: int
+CACHESTAT: int
 CHUNK_BYTES: int
 MAX_THREADS: int
 

@@ -76,11 +76,13 @@ def _inspect(args: argparse.Namespace) -> int:
         out.print(f"client: {report.client}")
     if report.features:
         f = report.features
-        reads = ("page cache first (RWF_NOWAIT), reader processes possible" if f.get("page_cache_reads")
+        asked = "cachestat" if f.get("cachestat") else "RWF_NOWAIT"
+        reads = (f"page cache first (asked with {asked}), reader processes possible"
+                 if f.get("page_cache_reads")
                  else "blocking reads (this file system refuses RWF_NOWAIT: tmpfs, FUSE, some NFS)")
         direct = "supported" if f.get("direct_io") else "not used"
         native = "the C module" if f.get("native_reads") else "Python (the C module is not in use)"
-        out.print(f"file system: {reads}; O_DIRECT writes {direct}; records read by {native}")
+        out.print(f"file system: {reads}; O_DIRECT writes {direct}; records read and written by {native}")
     if report.hint:
         warn(report.hint)
     for ns in report.namespaces:

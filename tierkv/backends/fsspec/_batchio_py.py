@@ -142,6 +142,11 @@ def _syscall() -> Callable[..., int] | None:
 _cachestat = _syscall() if os.uname().sysname == "Linux" else None
 
 
+def has_cachestat() -> bool:
+    """Whether this kernel answers :func:`page_cached` (Linux 6.5 and later)."""
+    return _cachestat is not None
+
+
 def page_cached(fd: int, size: int) -> bool | None:
     """Whether the page cache holds every page of the first ``size`` bytes of ``fd``, asked without
     reading (``cachestat``); None where the kernel cannot say (before Linux 6.5).

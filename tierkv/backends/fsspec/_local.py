@@ -19,7 +19,7 @@ import anyio
 from tierkv import sharedmem
 from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._batchio_py import make_dirs, page_cached
+from tierkv.backends.fsspec._batchio_py import has_cachestat, make_dirs, page_cached
 from tierkv.backends.fsspec._io import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -310,8 +310,11 @@ class LocalDriver(Driver):
     def features(self) -> dict[str, bool]:
         """What this file system was found to do: ``direct_io`` (records written past the page
         cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes); and
-        ``native_reads``: records are read by the C module (:mod:`~tierkv.backends.fsspec._batchio`)."""
+        ``cachestat``: the page cache is asked whether it holds a record before it is read (Linux 6.5);
+        ``native_reads``: records are read and written by the C module
+        (:mod:`~tierkv.backends.fsspec._batchio`)."""
         return {"direct_io": self.direct, "page_cache_reads": self.nowait,
+                "cachestat": self.nowait and has_cachestat(),
                 "native_reads": batchio.native() is not None}
 
     async def refuse_nowait(self, how: str) -> None:
@@ -520,8 +523,9 @@ class LocalDriver(Driver):
         c = batchio.native()
         if c is not None:  # the whole publication in one call of the C module, the GIL released
             bufs = data if isinstance(data, list) else [data]
-            (size,), direct, refused = c.write_batch([(path, temp_name(path), bufs)], self.fsync, self.file_mode,
-                                                     self.direct, DIRECT_MIN_BYTES, self.dir_mode, 1)
+            item = (path, temp_name(path), bufs)
+            (size,), direct, refused = c.write_batch([item], self.fsync, self.file_mode, self.direct,
+                                                     DIRECT_MIN_BYTES, self.dir_mode, 1)
             if size < 0:
                 raise OSError(-size, os.strerror(-size), path)
             if direct:
