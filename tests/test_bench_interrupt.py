@@ -15,7 +15,7 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 
 # each runs well past the later interrupt (pool_copy's default work can end in under 6 s)
-SCRIPTS = {"restore.py": [], "fs_tier.py": [], "pool_copy.py": ["--repeats", "500"]}
+SCRIPTS = {"restore.py": [], "fs_tier.py": [], "pool_copy.py": ["--repeats", "500"], "calls.py": []}
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -44,7 +44,9 @@ BAD_FLAGS = [("restore.py", ["--repeats", "0"]), ("pool_copy.py", ["--repeats", 
              ("vllm_manager.py", ["--repeats", "0"]), ("vllm_manager.py", ["--groups", "x"]),
              ("concurrent_restore.py", ["--blocks", "-1"]), ("busy_restore.py", ["--block-kib", "0"]),
              ("fs_tier.py", ["--dir", "/nonexistent/tierkv"]), ("codec.py", ["--level", "99"]),
-             ("gpu_copy.py", ["--layers", "x"]), ("peers.py", ["--dir", "/nonexistent/tierkv"])]
+             ("gpu_copy.py", ["--layers", "x"]), ("peers.py", ["--dir", "/nonexistent/tierkv"]),
+             ("calls.py", ["--rounds", "0"]), ("calls.py", ["--dir", "/nonexistent/tierkv"]),
+             ("calls.py", ["--read-processes", "9"])]
 
 
 @pytest.mark.parametrize(("script", "flags"), BAD_FLAGS)
