@@ -238,6 +238,38 @@ async def test_records_out_of_the_page_cache_and_absent_ones_are_read_in_threads
     assert torch.equal(pool[:N], data)
 
 
+async def test_a_cold_batch_skips_the_helpers_and_a_warm_one_uses_them(tmp_path: Path) -> None:
+    """After a restart nothing is in the page cache: a batch whose first record is not there goes
+    straight to the threads that wait for the device, without a round trip through helpers that
+    would turn every record away; once read, the same records are the helpers' again."""
+    data = blocks()
+    root = tmp_path / "t"
+    await stored(root, data)
+    for p in root.rglob("*.tkv"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan(N))[0]
+    t = tier(root, read_processes=1)
+    await t.open()
+    try:
+        readers_of(t)
+        assert await t.get(0, keys(), pool) == [True] * N
+        assert torch.equal(pool, data)
+        cold = backend(t)
+        assert cold.get("reader_batches_cold") == 1 and not cold.get("reader_reads")
+        pool.zero_()
+        assert await t.get(0, keys(), pool) == [True] * N  # now in the page cache
+        assert torch.equal(pool, data)
+        warm = backend(t)
+        assert warm.get("reader_batches_cold") == 1 and warm.get("reader_reads") == N
+    finally:
+        await t.close()
+
+
 async def test_a_helper_that_dies_is_counted_and_its_reads_go_to_threads(tmp_path: Path) -> None:
     data = blocks()
     await stored(tmp_path / "t", data)

@@ -211,6 +211,20 @@ class LocalSource:
             os.close(fd)
 
 
+def may_be_cached(path: str) -> bool:
+    """False only when the page cache is known not to hold all of the record at ``path``."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return True
+    try:
+        return page_cached(fd, os.fstat(fd).st_size) is not False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def touch_in_order(paths: list[str]) -> None:
     """Refresh the file times of ``paths``, the first the newest (as ``write_records`` writes them)."""
     base = time.time_ns()
@@ -274,7 +288,8 @@ class LocalDriver(Driver):
     def counts(self) -> dict[str, int]:
         """``direct_writes``: records written with ``O_DIRECT``; ``direct_fallbacks``: direct
         writes the file system refused (then written buffered); ``reader_reads``: records read
-        and verified by reader processes; ``reader_deaths``: reader processes that ended;
+        and verified by reader processes; ``reader_batches_cold``: batches read without them, their
+        first record not in the page cache; ``reader_deaths``: reader processes that ended;
         ``io_native`` or ``io_python`` (1): whether records are read by the C module."""
         with self._count_lock:
             out = dict(self._counts)
@@ -431,7 +446,9 @@ class LocalDriver(Driver):
         """Each job runs in a worker thread on the file itself (a scatter read into its rows).
 
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
-        (:mod:`~tierkv.backends.fsspec._readproc`); what they could not verify is read here. Jobs first
+        (:mod:`~tierkv.backends.fsspec._readproc`), unless the batch's first record is known not to
+        be in the page cache (helpers read only what it holds); what they could not verify is read
+        here. Jobs first
         run on the CPU-count threads reading only what the page cache holds (asked with
         ``cachestat`` first, so a cold record is told apart without starting its read); each record
         that must come from the device is handed at once to up to ``depth`` threads that wait for
@@ -442,7 +459,10 @@ class LocalDriver(Driver):
         results: list[Any] = [None] * len(paths)
         todo = list(range(len(paths)))
         if inplace is not None and self._readers is not None:
-            todo = await self._read_in_helpers(self._readers, paths, inplace, results)
+            if await self.run(may_be_cached, paths[0]):
+                todo = await self._read_in_helpers(self._readers, paths, inplace, results)
+            else:  # a cold batch (a restart's): the helpers would only turn every record away
+                self._count("reader_batches_cold")
         nowait = self.nowait
         stop, refused = [False], [False]
         cold: list[Future[None]] = []  # the records that wait for the device, as each is found
