@@ -79,3 +79,13 @@ def extents(path: Any) -> int:
         return int(struct.unpack_from("=I", req, 20)[0])  # fm_mapped_extents
     finally:
         os.close(fd)
+
+
+def evict(path: Any) -> None:
+    """Drop a file's clean pages from the page cache (no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import extents
+from helpers import evict, extents
 from test_filesystems import full_tmpfs
 
 from tierkv.backends.fsspec import _batchio as batchio
@@ -53,16 +53,6 @@ def write(io: ModuleType, d: Path, records: list[np.ndarray], **kw: Any) -> tupl
 
 def temps(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if TEMP_MARK in p.name]
-
-
-def evict(path: Path) -> None:
-    """Drop a file's clean pages from the page cache (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 # ---- what a caller gets back --------------------------------------------------------------------------

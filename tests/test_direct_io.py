@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from helpers import extents
+from helpers import evict, extents
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
@@ -56,12 +56,7 @@ def record_files(root: Path) -> list[Path]:
 def evict_from_page_cache(root: Path) -> None:
     """Drop the records' pages from the page cache (no root needed: clean pages of one file)."""
     for p in record_files(root):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(p)
 
 
 async def put_get(root: Path, n: int, data: torch.Tensor, nbytes: int = BB, evict: bool = True,

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from helpers import ctrl_c
+from helpers import ctrl_c, evict
 
 from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
 from tierkv.backends.base import TierContext
@@ -220,12 +220,7 @@ async def test_records_out_of_the_page_cache_and_absent_ones_are_read_in_threads
     await stored(root, data)
     files = sorted(root.rglob("*.tkv"))
     for p in files[: N // 2]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(p)
     pool = shared_pool_tensors(str(tmp_path / "pool"), plan(N + 1))[0]
     t = tier(root, read_processes=1)
     await t.open()
@@ -246,12 +241,7 @@ async def test_a_cold_batch_skips_the_helpers_and_a_warm_one_uses_them(tmp_path:
     root = tmp_path / "t"
     await stored(root, data)
     for p in root.rglob("*.tkv"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(p)
     pool = shared_pool_tensors(str(tmp_path / "pool"), plan(N))[0]
     t = tier(root, read_processes=1)
     await t.open()

@@ -356,13 +356,18 @@ def _check_threads(threads: int) -> None:
 def _run(n: int, threads: int, one: Callable[[int], int]) -> list[int]:
     """``one(i)`` for every item, on up to ``threads`` threads of its own: an interrupt reaches the
     caller's thread, never one in the middle of an item (a temporary file is always removed or
-    renamed), and stops items from starting while those started end."""
+    renamed), and stops items from starting while those started end.
+
+    The caller waits on each thread's own event, not ``Thread.join``: a join interrupted by Ctrl-C
+    can mark a thread that is still running as ended (Python before 3.13), and the batch then
+    returned while an item was still writing its temporary file.
+    """
     results = [0] * n
     taken = itertools.count()  # next() on a count is atomic under the GIL
     stop = [False]
     failed: list[BaseException] = []
 
-    def work() -> None:
+    def work(done: threading.Event) -> None:
         try:
             for i in taken:
                 if i >= n or stop[0]:
@@ -371,20 +376,21 @@ def _run(n: int, threads: int, one: Callable[[int], int]) -> list[int]:
         except BaseException as exc:  # handed to the caller
             stop[0] = True
             failed.append(exc)
+        finally:
+            done.set()
 
-    helpers = [threading.Thread(target=work, daemon=True) for _ in range(min(threads, n))]
-    started: list[threading.Thread] = []
+    ends = [threading.Event() for _ in range(min(threads, n))]
+    helpers = [threading.Thread(target=work, args=(e,), daemon=True) for e in ends]
     try:
         for t in helpers:
             t.start()
-            started.append(t)
-        for t in started:
-            t.join()
+        for e in ends:
+            e.wait()
     except BaseException:  # an interrupt (it may land while a thread starts): wait for those running
-        stop[0] = True
-        for t in helpers:
+        stop[0] = True  # a thread not yet in its loop takes no item
+        for t, e in zip(helpers, ends, strict=True):
             if t.ident is not None:
-                t.join()
+                e.wait()
         raise
     if failed:
         raise failed[0]
