@@ -448,13 +448,13 @@ class LocalDriver(Driver):
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
         (:mod:`~tierkv.backends.fsspec._readproc`), unless the batch's first record is known not to
         be in the page cache (helpers read only what it holds); what they could not verify is read
-        here. Jobs first
-        run on the CPU-count threads reading only what the page cache holds (asked with
-        ``cachestat`` first, so a cold record is told apart without starting its read); each record
-        that must come from the device is handed at once to up to ``depth`` threads that wait for
-        it, while the first pass goes on: a cold batch keeps the device busy from its first
-        record, and warm reads never queue behind cold ones. Reads stay buffered with direct I/O on
-        (as fast here, and a record read once is in the page cache for every process on the node).
+        here. Jobs first run on the CPU-count threads reading only what the page cache holds (asked
+        with ``cachestat`` first, so a cold record is told apart without starting its read); each
+        record that must come from the device is handed at once to up to ``depth`` threads that
+        wait for it, while the first pass goes on: a cold batch keeps the device busy from its
+        first record, and warm reads never queue behind cold ones. Reads stay buffered with direct
+        I/O on (as fast here, and a record read once is in the page cache for every process on the
+        node).
         """
         results: list[Any] = [None] * len(paths)
         todo = list(range(len(paths)))
