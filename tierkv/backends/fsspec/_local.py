@@ -459,10 +459,7 @@ class LocalDriver(Driver):
         results: list[Any] = [None] * len(paths)
         todo = list(range(len(paths)))
         if inplace is not None and self._readers is not None:
-            if await self.run(may_be_cached, paths[0]):
-                todo = await self._read_in_helpers(self._readers, paths, inplace, results)
-            else:  # a cold batch (a restart's): the helpers would only turn every record away
-                self._count("reader_batches_cold")
+            todo = await self._read_in_helpers(self._readers, paths, inplace, results)
         nowait = self.nowait
         stop, refused = [False], [False]
         cold: list[Future[None]] = []  # the records that wait for the device, as each is found
@@ -514,6 +511,10 @@ class LocalDriver(Driver):
             await self._restart_readers(readers)
             return list(range(len(paths)))
         if not items:
+            return list(range(len(paths)))
+        if not await self.run(may_be_cached, paths[positions[0]]):
+            # a cold batch (a restart's): the helpers would only turn every record away
+            self._count("reader_batches_cold")
             return list(range(len(paths)))
         parts = _chunks(len(items), len(ready))
         answers = await self._jobs.run_all(self._pool, [functools.partial(p.read, items[r.start:r.stop])
