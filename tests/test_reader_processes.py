@@ -70,7 +70,12 @@ async def stored(root: Path, data: torch.Tensor) -> None:
         assert await t.put(0, keys(len(data)), data) == [True] * len(data)
     finally:
         await t.close()
-    for p in root.rglob("*.tkv"):  # in the page cache (direct writes leave them out)
+    warm(root)
+
+
+def warm(root: Path) -> None:
+    """Read every record file, so the page cache holds them (direct writes leave them out)."""
+    for p in root.rglob("*.tkv"):
         p.read_bytes()
 
 
@@ -178,6 +183,7 @@ async def test_a_pool_mapped_after_the_helpers_started_is_read_by_new_helpers(tm
         assert torch.equal(late, data)
         assert readers_of(t) is not first
         late.zero_()
+        warm(tmp_path / "t")  # helpers read what the page cache holds: have it hold the records now
         assert await t.get(0, keys(), late) == [True] * N
         assert torch.equal(late, data)
         counts = backend(t)
@@ -253,7 +259,8 @@ async def test_a_cold_batch_skips_the_helpers_and_a_warm_one_uses_them(tmp_path:
         cold = backend(t)
         assert cold.get("reader_batches_cold") == 1 and not cold.get("reader_reads")
         pool.zero_()
-        assert await t.get(0, keys(), pool) == [True] * N  # now in the page cache
+        warm(root)
+        assert await t.get(0, keys(), pool) == [True] * N
         assert torch.equal(pool, data)
         warm = backend(t)
         assert warm.get("reader_batches_cold") == 1 and warm.get("reader_reads") == N
