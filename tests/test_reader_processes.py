@@ -262,8 +262,8 @@ async def test_a_cold_batch_skips_the_helpers_and_a_warm_one_uses_them(tmp_path:
         warm(root)
         assert await t.get(0, keys(), pool) == [True] * N
         assert torch.equal(pool, data)
-        warm = backend(t)
-        assert warm.get("reader_batches_cold") == 1 and warm.get("reader_reads") == N
+        after = backend(t)
+        assert after.get("reader_batches_cold") == 1 and after.get("reader_reads") == N
     finally:
         await t.close()
 
