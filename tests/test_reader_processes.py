@@ -104,6 +104,7 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
     try:
         readers = readers_of(t)
         assert len(readers.procs) == 2
+        warm(tmp_path / "t")
         found = await t.get(0, keys(), pool)
         assert found == [True] * N
         assert torch.equal(pool, data)
@@ -162,6 +163,7 @@ async def test_helpers_map_small_pools_populated_and_large_ones_lazily(
             assert before >= N * BB // 1024
         else:
             assert before < N * BB // 1024 // 2
+        warm(tmp_path / "t")
         assert await t.get(0, keys(), pool) == [True] * N
         assert torch.equal(pool, data)
         assert backend(t).get("reader_reads") == N
@@ -208,6 +210,7 @@ async def test_a_damaged_record_is_a_counted_miss_with_helpers_on(tmp_path: Path
     await t.open()
     try:
         readers_of(t)
+        warm(root)
         found = await t.get(0, keys(), pool)
         counts = backend(t)
     finally:
