@@ -362,6 +362,8 @@ def _run(n: int, threads: int, one: Callable[[int], int]) -> list[int]:
     can mark a thread that is still running as ended (Python before 3.13), and the batch then
     returned while an item was still writing its temporary file.
     """
+    if threads == 1 and threading.current_thread() is not threading.main_thread():
+        return [one(i) for i in range(n)]  # a worker thread: no interrupt lands here
     results = [0] * n
     taken = itertools.count()  # next() on a count is atomic under the GIL
     stop = [False]

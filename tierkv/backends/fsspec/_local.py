@@ -19,7 +19,7 @@ import anyio
 from tierkv import sharedmem
 from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._batchio_py import has_cachestat, make_dirs, page_cached
+from tierkv.backends.fsspec._batchio_py import has_cachestat, page_cached
 from tierkv.backends.fsspec._io import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -264,7 +264,6 @@ class LocalDriver(Driver):
         self.direct = False
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
-        self._dirs: set[str] = set()
         self._pool = DaemonPool(threads, "tierkv-io")
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: DaemonPool | None = None
@@ -541,79 +540,17 @@ class LocalDriver(Driver):
                         len(readers.procs))
 
     def _write_one(self, path: str, data: bytes | list[Any]) -> None:
-        c = batchio.native()
-        if c is not None:  # the whole publication in one call of the C module, the GIL released
-            bufs = data if isinstance(data, list) else [data]
-            item = (path, temp_name(path), bufs)
-            (size,), direct, refused = c.write_batch([item], self.fsync, self.file_mode, self.direct,
-                                                     DIRECT_MIN_BYTES, self.dir_mode, 1)
-            if size < 0:
-                raise OSError(-size, os.strerror(-size), path)
-            if direct:
-                self._count("direct_writes")
-            if refused:
-                self._count("direct_fallbacks")
-            return
-        d = path.rpartition("/")[0]
-        if d not in self._dirs:
-            make_dirs(d, self.dir_mode)
-            self._dirs.add(d)
+        """Publish one record (temporary file, ``O_DIRECT`` write, rename) through the batch writer:
+        the C module with the GIL released, or its Python fallback."""
         bufs = data if isinstance(data, list) else [data]
-        total = sum(memoryview(b).nbytes for b in bufs)
-        tmp = temp_name(path)
-        direct = self.direct and total >= DIRECT_MIN_BYTES
-        if direct:
-            try:
-                self._write_temp(tmp, d, bufs, total, True)
-            except OSError as exc:
-                if exc.errno not in directio.UNSUPPORTED:
-                    raise
-                self._count("direct_fallbacks")
-                direct = False
-        if not direct:
-            self._write_temp(tmp, d, bufs, total, False)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
+        (size,), direct, refused = batchio.write_batch([(path, None, bufs)], self.fsync, self.file_mode,
+                                                       self.direct, DIRECT_MIN_BYTES, self.dir_mode)
+        if size < 0:
+            raise OSError(-size, os.strerror(-size), path)
         if direct:
             self._count("direct_writes")
-        if self.fsync:
-            dfd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-
-    def _write_temp(self, tmp: str, d: str, bufs: list[Any], total: int, direct: bool) -> None:
-        """Write ``bufs`` to the new file ``tmp`` (removed again when anything fails)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (directio.O_DIRECT if direct else 0)
-        try:
-            fd = os.open(tmp, flags, self.file_mode)
-        except FileNotFoundError:
-            # the directory vanished under us (another process or tool removed it): recreate it
-            make_dirs(d, self.dir_mode)
-            fd = os.open(tmp, flags, self.file_mode)
-        if self.file_mode != 0o600:  # what the umask took from a wider mode (0o600 it never narrows)
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, self.file_mode)
-        try:
-            if direct:
-                directio.write_file(fd, bufs)
-            else:
-                done = os.writev(fd, bufs)
-                if done != total:
-                    view = b"".join(bytes(b) for b in bufs)[done:]
-                    while view:
-                        view = view[os.write(fd, view):]
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quiet(tmp)
-            raise
-        os.close(fd)
+        if refused:
+            self._count("direct_fallbacks")
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """One worker thread stats the whole batch."""
