@@ -753,3 +753,14 @@ async def test_probes_of_records_it_knows_need_no_storage_round_trip(tmp_path: P
         assert await tier.contains(FULL, ks[:1]) == [False]  # the miss was learned
     finally:
         await tier.close()
+
+
+def test_a_call_is_cut_into_runs_of_even_length_so_the_threads_end_together() -> None:
+    from tierkv.backends.fsspec._local import _chunks
+
+    for n, parts in [(38, 6), (5, 2), (10, 3), (3, 5), (1, 4), (64, 8)]:
+        runs = _chunks(n, parts)
+        assert [i for r in runs for i in r] == list(range(n))
+        assert len(runs) == min(n, parts)
+        assert max(map(len, runs)) - min(map(len, runs)) <= 1
+    assert _chunks(0, 2) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import os
 import stat
@@ -235,11 +236,13 @@ def touch_in_order(paths: list[str]) -> None:
 
 
 def _chunks(n: int, parts: int) -> list[range]:
+    """``range(n)`` in ``parts`` consecutive runs whose lengths differ by one at most."""
     if n <= 0:
         return []
     parts = max(1, min(parts, n))
-    step = -(-n // parts)
-    return [range(i, min(n, i + step)) for i in range(0, n, step)]
+    step, longer = divmod(n, parts)
+    bounds = [i * step + min(i, longer) for i in range(parts + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 class LocalDriver(Driver):
@@ -406,7 +409,7 @@ class LocalDriver(Driver):
                 except (OSError, WouldBlock) as exc:
                     results[i] = detach(exc)  # type: ignore[assignment]
 
-        parts = max(self.threads, -(-nbytes // CHUNK_BYTES))
+        parts = -(-max(self.threads, -(-nbytes // CHUNK_BYTES)) // self.threads) * self.threads
         await self._jobs.run_all(self._pool, [functools.partial(chunk, idx) for idx in _chunks(n, parts)],
                                  stop, buffers)
         return results
