@@ -8,12 +8,15 @@ How a batch-API user (an engine without vLLM's scheduler, LMCache's harness) dri
 - **store**: ``put`` of ``--call`` blocks, then ``flush`` (every record written to the ``file://``
   tier), call after call; timed to the end of an ``os.sync``;
 - **cold load**: after ``echo 3 > /proc/sys/vm/drop_caches`` (root), a new store over the same
-  directory serves, call after call, ``lookup_prefix`` then ``get`` into the caller's rows.
+  directory serves, call after call, ``lookup_prefix`` then ``get`` into the caller's rows;
+- **warm load**: the same once more, the records now in the page cache (a new store: its
+  primary starts empty, so every block is read from its file again).
 
 Baselines, same run, same rounds, 4 threads like the tier's ``io_depth``: **store**: a plain loop
 writing each block to its own file (``open`` / ``write`` / ``close`` / ``os.replace``, buffered)
 then ``os.sync``; **cold load**: a plain loop reading the tier's own record files, in the same
-call order, into rows (``open`` / ``readinto`` / ``close``), after the same drop. Ratios are
+call order, into rows (``open`` / ``readinto`` / ``close``), after the same drop; **warm load**:
+that loop again on the cached files. Ratios are
 baseline time / tierkv time within a round (above 1: tierkv faster); figures are medians of the
 rounds.
 """
@@ -113,7 +116,8 @@ def one_size(block_kib: int, args: argparse.Namespace, pool: ThreadPoolExecutor)
     hashes = [uuid.uuid4().bytes * 2 for _ in range(n)]
     out = torch.zeros(n, block, dtype=torch.uint8)
     rows = torch.zeros(n + 1, block + 4096, dtype=torch.uint8)  # a record is a little longer than its block
-    figures: dict[str, list[float]] = {"store": [], "plain store": [], "cold": [], "plain cold": []}
+    figures: dict[str, list[float]] = {"store": [], "plain store": [], "cold": [], "plain cold": [],
+                                       "warm": [], "plain warm": []}
     base = tempfile.mkdtemp(prefix="tierkv-calls-", dir=args.dir)
     try:
         for r in range(args.rounds):
@@ -131,6 +135,11 @@ def one_size(block_kib: int, args: argparse.Namespace, pool: ThreadPoolExecutor)
                 raise SystemExit("calls: a loaded block differs from the stored one")
             drop_caches()
             figures["plain cold"].append(plain_load(paths, rows, args.call, pool))
+            out.zero_()
+            figures["warm"].append(anyio.run(load, cfg, hashes, out, args.call))
+            if not torch.equal(out, src):
+                raise SystemExit("calls: a loaded block differs from the stored one")
+            figures["plain warm"].append(plain_load(paths, rows, args.call, pool))
             shutil.rmtree(root)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -138,7 +147,7 @@ def one_size(block_kib: int, args: argparse.Namespace, pool: ThreadPoolExecutor)
     res: dict[str, Any] = {"block_kib": block_kib, "blocks": n, "rounds": args.rounds}
     for k, v in figures.items():
         res[f"{k} MB/s"] = round(mb / statistics.median(v))
-    for what in ("store", "cold"):
+    for what in ("store", "cold", "warm"):
         pairs = zip(figures[f"plain {what}"], figures[what], strict=True)
         res[f"{what} x plain"] = round(statistics.median(p / t for p, t in pairs), 2)
     return res
@@ -161,8 +170,8 @@ def main() -> None:
             r = one_size(kib, args, pool)
             results.append(r)
             print(f"{kib:5d} KiB: store {r['store MB/s']:6,} MB/s ({r['store x plain']:.2f}x plain loop)  "
-                  f"cold load {r['cold MB/s']:6,} MB/s ({r['cold x plain']:.2f}x plain loop, same files)",
-                  flush=True)
+                  f"cold load {r['cold MB/s']:6,} MB/s ({r['cold x plain']:.2f}x plain loop, same files)  "
+                  f"warm load {r['warm MB/s']:6,} MB/s ({r['warm x plain']:.2f}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "bench/calls.py", "results": results}, f, indent=1)

@@ -15,6 +15,7 @@ from tierkv.testing import TierTests
 
 class TestMemoryTier(TierTests):
     kind = "memory"
+    reports_rows = True
 
     async def oracle_set(self, tier: Tier, group: int, key: bytes, data: bytes) -> None:
         assert isinstance(tier, MemoryTier)

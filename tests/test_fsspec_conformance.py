@@ -35,6 +35,7 @@ class TestFsspecFile(TierTests):
     """``file://`` URLs: records through os calls."""
 
     kind = "fsspec"
+    reports_rows = True
 
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path: Path) -> None:
@@ -62,6 +63,7 @@ class TestFsspecMemory(TierTests):
     """``memory://`` URLs: a synchronous fsspec file system (temporary name, then move)."""
 
     kind = "fsspec"
+    reports_rows = True
 
     @pytest.fixture(autouse=True)
     def _root(self) -> None:
@@ -86,6 +88,7 @@ class TestFsspecS3(TierTests):
     """``s3://`` URLs against moto's HTTP server, once per client (``s3_client``: obstore, s3fs)."""
 
     kind = "fsspec"
+    reports_rows = True
 
     @pytest.fixture(autouse=True, params=CLIENTS)
     def _bucket(self, s3_endpoint: str, request: pytest.FixtureRequest) -> None:

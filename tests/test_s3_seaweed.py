@@ -105,6 +105,7 @@ class TestFsspecSeaweed(TierTests):
     """``s3://`` URLs through async s3fs against SeaweedFS; the oracle reads and writes with s3fs."""
 
     kind = "fsspec"
+    reports_rows = True
 
     @pytest.fixture(autouse=True)
     def _bucket(self, seaweed: SeaweedServer) -> None:

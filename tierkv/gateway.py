@@ -17,6 +17,7 @@ threads read the presence cache; the coroutines run on the owner's event loop.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -78,6 +79,9 @@ DIRECT_RUN_BYTES = 1 << 20
 LOAD_BATCH_BYTES = 64 << 20
 
 OnBatch = Callable[[list[int], list[bool]], None]
+#: ``on_row(position, row)``: the block at ``position`` of a load is verified in ``row``, in the
+#: reading thread, before its batch lands
+OnRow = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -413,12 +417,14 @@ class TierGateway:
 
     # ---- loads ----------------------------------------------------------------------------------
     async def load(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
-                   on_batch: OnBatch | None = None) -> list[bool]:
+                   on_batch: OnBatch | None = None, on_row: OnRow | None = None) -> list[bool]:
         """Read ``keys[i]`` into row ``rows[i]`` of ``dest`` (``[n, block_bytes]`` bytes).
 
         The keys are read in batches, in order, as many at once as the tier's load budget allows;
         ``on_batch(positions, ok)`` is called under the lock as each batch lands, so callers can use
-        blocks before the whole load ends. A row is written only with bytes the tier verified.
+        blocks before the whole load ends; ``on_row(position, row)`` where the tier says a block
+        is verified (in ``row``: the ``dest`` row, or the batch's own buffer), in the reading
+        thread, before its batch lands. A row is written only with bytes the tier verified.
         Returns, per key, whether it was read; errors are counted, never raised.
         """
         block = dest.shape[1] * dest.element_size()
@@ -428,7 +434,8 @@ class TierGateway:
 
         async def one(plan: RowPlan) -> None:
             got = await self._load_batch(group, [keys[i] for i in plan.positions], dest,
-                                         [rows[i] for i in plan.positions], plan.run, block)
+                                         [rows[i] for i in plan.positions], plan.run, block,
+                                         None if on_row is None else _rows_of(plan.positions, on_row))
             with self._lock:
                 for i, f in zip(plan.positions, got, strict=True):
                     ok[i] = f
@@ -462,7 +469,8 @@ class TierGateway:
         return self._load_budget.used
 
     async def _load_batch(self, group: int, keys: list[bytes], dest: torch.Tensor, rows: list[int],
-                          run: tuple[int, int] | None, block: int) -> list[bool]:
+                          run: tuple[int, int] | None, block: int,
+                          on_row: Callable[[int, torch.Tensor], None] | None) -> list[bool]:
         direct = run is not None and dest.device.type == "cpu"
         if direct:
             assert run is not None
@@ -475,8 +483,9 @@ class TierGateway:
                 self._busy_since = t0
             self._loads_running += 1
         try:
+            landed = None if on_row is None else functools.partial(_landed, on_row, buf)
             async with self._read_limiter:
-                found = list(await self.tier.get(group, keys, buf))
+                found = list(await self.tier.get(group, keys, buf, landed))
             with self._lock:
                 self.health.read(any(found))
         except Exception as exc:
@@ -576,3 +585,12 @@ def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) 
     else:
         t = src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
     return t if t.device.type == "cpu" else t.cpu()
+
+
+def _rows_of(positions: list[int], on_row: OnRow) -> Callable[[int, torch.Tensor], None]:
+    """``on_row`` for a batch: its ``j`` -> the load's position."""
+    return lambda j, row: on_row(positions[j], row)
+
+
+def _landed(on_row: Callable[[int, torch.Tensor], None], buf: torch.Tensor, j: int) -> None:
+    on_row(j, buf[j])

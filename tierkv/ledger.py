@@ -33,6 +33,7 @@ from tierkv.pool import SlotPool
 
 if TYPE_CHECKING:
     from tierkv.promotion import Promoter
+    from tierkv.rowsink import RowSink
 
 __all__ = ["BlockLedger", "Landing"]
 
@@ -42,12 +43,15 @@ class Landing:
 
     One event per batch, not per block (a 1,024-block restore made 1,024 events): a waiter wakes
     when any batch of its promotion lands, finds its block READY or not, and waits on the next.
+    ``sinks``: the waiting ``get`` calls' rows, which each block is copied into as soon as its
+    read is verified, by the thread that read it.
     """
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "sinks")
 
     def __init__(self) -> None:
         self.event = anyio.Event()
+        self.sinks: tuple[RowSink, ...] = ()
 
 
 class _Staged:

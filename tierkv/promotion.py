@@ -1,9 +1,11 @@
 """Running the work lookups ask for: promotions into reserved primary slots, presence probes.
 
 A promotion is one gateway ``load`` straight into the pool rows admission reserved for it; its
-blocks become READY batch by batch as they land (a waiting ``get`` can copy them at once), and a
-block that fails frees its slot and every pin on it. Probes of one tier and group are batched:
-keys asked for while a probe task is scheduled but not started ride along with it.
+blocks become READY batch by batch as they land (a waiting ``get`` can copy them at once; the
+reading thread copies each verified block into the rows of the ``get`` calls listening on its
+landing, :mod:`tierkv.rowsink`), and a block that fails frees its slot and every pin on it.
+Probes of one tier and group are batched: keys asked for while a probe task is scheduled but not
+started ride along with it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
+import torch
 
 from tierkv.admission import Admission, Promotion, Request
 from tierkv.bridge import LoopBridge
@@ -97,8 +100,12 @@ class Promoter:
                 landing.event = anyio.Event()  # for the blocks still on their way
             self._bridge.set_event(ev)
 
+        def verified(pos: int, row: torch.Tensor) -> None:  # in the reading thread
+            for sink in landing.sinks:
+                sink.fill(p.keys[pos], row)
+
         try:
-            await gw.load(p.group, p.keys, pool.tensor, p.slots, on_batch=landed)
+            await gw.load(p.group, p.keys, pool.tensor, p.slots, on_batch=landed, on_row=verified)
         finally:
             with self._bridge.lock:
                 left = [i for i, k in enumerate(p.keys) if k in self.promoting]

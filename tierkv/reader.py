@@ -1,8 +1,10 @@
 """The read half of the facade: ``get`` (copy blocks out) and ``borrow`` (lend pool rows).
 
 ``get`` copies READY rows out in one batched copy per run, waits for PENDING ones (promotions
-land batch by batch, so it copies as they arrive), and promotes blocks no primary slot holds,
-waiting for them the same way (only a pool with no room now makes it read them aside).
+land batch by batch, so it copies as they arrive; the threads reading a promotion it listens on
+copy each verified block into its row at once, :mod:`tierkv.rowsink`), and promotes blocks no
+primary slot holds, waiting for them the same way (only a pool with no room now makes it read
+them aside).
 ``borrow`` lends the rows where they lie in the pool, pinned until the caller is done.
 """
 
@@ -19,10 +21,11 @@ from tierkv.admission import Admission, Request
 from tierkv.bridge import LoopBridge
 from tierkv.errors import BlockMissing
 from tierkv.gateway import TierGateway
-from tierkv.ledger import BlockLedger
+from tierkv.ledger import BlockLedger, Landing
 from tierkv.metrics import TierStats
 from tierkv.pool import SlotPool, SlotState
 from tierkv.promotion import Promoter
+from tierkv.rowsink import RowSink
 from tierkv.tensors import contiguous_run, row_span, scatter_rows, take_rows
 
 __all__ = ["Reader"]
@@ -60,31 +63,51 @@ class Reader:
         todo = list(range(len(keys)))
         missing: list[int] = []
         promoted: set[int] = set()
+        sink = RowSink(out8, keys) if out8.device.type == "cpu" else None
+        listened: list[Landing] = []
         with self._lock:
             call = self._admission.open_call()
         try:
             while todo:
                 with self._lock:
-                    absent, waits = self._copy_resident(pool, keys, todo, out8)
+                    absent, waits = self._copy_resident(pool, keys, todo, out8, sink)
                     if absent:
                         absent = self._promote(group, keys, absent, promoted, call, waits)
+                    if sink is not None:
+                        self._listen(sink, keys, waits, listened)
                 if absent:
                     missing += await self._read_aside(group, pool, keys, absent, out8)
                 if waits:
                     await next(iter(waits.values())).wait()
                 todo = list(waits)
         finally:
+            if sink is not None:
+                sink.close()
             with self._lock:
+                for landing in listened:
+                    landing.sinks = tuple(s for s in landing.sinks if s is not sink)
                 self._admission.end_call(call)
         self._done(req, group, keys)
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
                                f" by no tier", missing=sorted(missing))
 
-    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int],
-                       out8: torch.Tensor) -> tuple[list[int], dict[int, anyio.Event]]:
-        """Copy READY (and staged) rows out; the rows held by no slot, and events to wait for."""
+    def _listen(self, sink: RowSink, keys: list[bytes], waits: dict[int, anyio.Event],
+                listened: list[Landing]) -> None:
+        """Have the promotions ``waits`` waits on fill ``sink`` as their reads are verified."""
+        promoting = self._ledger.promoting
+        for i in waits:
+            landing = promoting.get(keys[i])
+            if landing is not None and landing not in listened:
+                listened.append(landing)
+                landing.sinks = (*landing.sinks, sink)
+
+    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int], out8: torch.Tensor,
+                       sink: RowSink | None) -> tuple[list[int], dict[int, anyio.Event]]:
+        """Copy READY (and staged) rows out, but for those a reading thread filled already; the
+        rows held by no slot, and events to wait for."""
         ready: list[int] = []
+        filled = 0
         absent: list[int] = []
         waits: dict[int, anyio.Event] = {}
         index, state = pool.index, pool.state
@@ -97,7 +120,11 @@ class Reader:
                 else:
                     absent.append(i)
             elif state[s] is SlotState.READY:
-                ready.append(i)
+                if sink is not None and sink.filled(i):
+                    pool.touch(keys[i])
+                    filled += 1
+                else:
+                    ready.append(i)
             else:
                 ev = self._ledger.waiter(keys[i])
                 assert ev is not None, "every WRITING slot has an event"
@@ -113,8 +140,8 @@ class Reader:
                 out8.index_copy_(0, torch.tensor(ready, dtype=torch.int64, device=out8.device), tmp)
             for i in ready:
                 pool.touch(keys[i])
-            self._stats.hits += len(ready)
-            self._stats.bytes_read += len(ready) * pool.block_bytes
+        self._stats.hits += len(ready) + filled
+        self._stats.bytes_read += (len(ready) + filled) * pool.block_bytes
         return absent, waits
 
     def _promote(self, group: int, keys: list[bytes], rows: list[int], promoted: set[int],

@@ -14,10 +14,13 @@ from pydantic import ConfigDict, Field, PositiveInt
 from tierkv.layout import Layout
 from tierkv.numbers import MAX_WAIT_S, StrictNumbers
 
-__all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "Tier", "TierConfig", "TierContext", "old_name"]
+__all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "RowLanded", "Tier", "TierConfig", "TierContext",
+           "old_name"]
 
 #: called with ``"stored"`` or ``"removed"`` and the keys concerned
 KeyListener = Callable[[str, list[bytes]], None]
+#: called with ``i`` once row ``i`` of a ``get``'s ``out`` holds the verified block (see :meth:`Tier.get`)
+RowLanded = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,14 @@ class Tier(ABC):
         """Store ``blocks[i]`` under ``keys[i]``; per key, whether it is now held."""
 
     @abstractmethod
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
         """Fill ``out[i]`` with the block of ``keys[i]``; per key, whether it was found intact.
 
-        Rows of keys answered False hold unspecified bytes and must not be used.
+        Rows of keys answered False hold unspecified bytes and must not be used. ``landed(i)``,
+        when given, may be called once row ``i`` holds its verified block, from the thread that
+        verified it, before ``get`` returns (a row it was called for is answered True); a tier
+        may call it for none of them.
         """
 
     @abstractmethod

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 
 __all__ = ["MemoryTier", "MemoryTierConfig"]
 
@@ -52,8 +52,9 @@ class MemoryTier(Tier):
             ok.append(key in self._data)
         return ok
 
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
-        """Copy held blocks into the rows of ``out``."""
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
+        """Copy held blocks into the rows of ``out`` (``landed(i)`` after each)."""
         out8 = out.view(torch.uint8).reshape(len(keys), -1)
         found = []
         for i, key in enumerate(keys):
@@ -64,6 +65,8 @@ class MemoryTier(Tier):
             self._data.move_to_end(key)
             out8[i].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             found.append(True)
+            if landed is not None:
+                landed(i)
         return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:

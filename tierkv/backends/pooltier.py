@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from pydantic import field_validator
 
-from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.errors import CapacityError, ConfigError
 from tierkv.pool import PoolPlan, SlotPool, plan_pools, shared_pool_tensors
 
@@ -150,7 +150,8 @@ class PoolTier(Tier):
             todo = todo[len(slots):]
         return [pool.is_ready(k) for k in keys]
 
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
         """Copy READY blocks out."""
         pool = self.pools[group]
         found = [pool.is_ready(k) for k in keys]

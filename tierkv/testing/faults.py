@@ -18,7 +18,7 @@ import anyio
 import torch
 from pydantic import Field, ValidationError, field_validator
 
-from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.backends.registry import get_backend
 from tierkv.errors import TierKVError, format_validation_error
 
@@ -124,7 +124,8 @@ class FaultyTier(Tier):
         await self._maybe_fail("put")
         return await self.inner.put(group, keys, blocks)
 
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
         """Maybe fail, else delegate (no faster than ``max_read_bytes_per_s``)."""
         t0 = time.monotonic()
         await self._maybe_fail("get")

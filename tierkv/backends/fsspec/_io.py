@@ -218,8 +218,8 @@ class Driver:
         return False
 
     async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                           ) -> list[R | Found | Failed]:
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None,
+                           landed: Callable[[int], None] | None = None) -> list[R | Found | Failed]:
         """``job(i, source)`` over each record's bytes (at most ``limit``); per item its result, or
         :class:`Failed` with the error reading it raised (an ``OSError`` the job raises counts as
         one).
@@ -227,7 +227,8 @@ class Driver:
         ``inplace[i]``, when given, is ``(header, row)``: record ``i`` should be a ``none`` record,
         ``header`` then the numpy row's bytes then the trailer. A driver may read such a record
         into ``row`` itself and verify it (:func:`~tierkv.record.none_parts_match`); its result is
-        then :class:`Found`, as ``job`` returns for one it verified. The others go to ``job``.
+        then :class:`Found`, as ``job`` returns for one it verified, and ``landed(i)`` is called
+        (when given) from the thread that learned it, before this returns. The others go to ``job``.
         The default reads one record at a time with :meth:`_read_one`.
         """
         datas: list[bytes | Failed | None] = []

@@ -34,7 +34,7 @@ from tierkv.backends.fsspec._io import (
     temp_name,
 )
 from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
-from tierkv.backends.fsspec._readproc import ReaderProcesses
+from tierkv.backends.fsspec._readproc import ReaderProcess, ReaderProcesses
 from tierkv.backends.fsspec._readproc import supported as readproc_supported
 from tierkv.backends.threads import DaemonPool, Jobs
 
@@ -443,8 +443,8 @@ class LocalDriver(Driver):
         return [Failed(r) if isinstance(r, BaseException) else r for r in await self.map(one, n, nbytes)]
 
     async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                           ) -> list[R | Found | Failed]:
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None,
+                           landed: Callable[[int], None] | None = None) -> list[R | Found | Failed]:
         """Each job runs in a worker thread on the file itself (a scatter read into its rows).
 
         Records whose ``inplace`` rows lie in shared memory go first to the reader processes
@@ -461,7 +461,7 @@ class LocalDriver(Driver):
         results: list[Any] = [None] * len(paths)
         todo = list(range(len(paths)))
         if inplace is not None and self._readers is not None:
-            todo = await self._read_in_helpers(self._readers, paths, inplace, results)
+            todo = await self._read_in_helpers(self._readers, paths, inplace, results, landed)
         nowait = self.nowait
         stop, refused = [False], [False]
         cold: list[Future[None]] = []  # the records that wait for the device, as each is found
@@ -501,9 +501,11 @@ class LocalDriver(Driver):
             return self._cold
 
     async def _read_in_helpers(self, readers: ReaderProcesses, paths: list[str],
-                               inplace: list[tuple[bytes, Any]], results: list[Any]) -> list[int]:
+                               inplace: list[tuple[bytes, Any]], results: list[Any],
+                               landed: Callable[[int], None] | None) -> list[int]:
         """Hand the records with rows in shared memory to the ready helpers, in even runs; their
-        verified sizes go into ``results``. The positions left for the threads."""
+        verified sizes go into ``results`` (and each verified position to ``landed``, in the
+        thread that waited for its helper). The positions left for the threads."""
         ready = readers.ready()
         self._note_deaths(readers)
         if not ready:
@@ -519,8 +521,17 @@ class LocalDriver(Driver):
             self._count("reader_batches_cold")
             return list(range(len(paths)))
         parts = _chunks(len(items), len(ready))
-        answers = await self._jobs.run_all(self._pool, [functools.partial(p.read, items[r.start:r.stop])
-                                       for p, r in zip(ready, parts, strict=False)])
+
+        def ask(helper: ReaderProcess, run: range) -> list[int]:
+            sizes = helper.read(items[run.start:run.stop])
+            if landed is not None:
+                for j, size in zip(run, sizes, strict=True):
+                    if size > 0:
+                        landed(positions[j])
+            return sizes
+
+        answers = await self._jobs.run_all(self._pool, [functools.partial(ask, p, r)
+                                                        for p, r in zip(ready, parts, strict=False)])
         done = 0
         for r, sizes in zip(parts, answers, strict=False):
             for j, size in zip(r, sizes, strict=True):

@@ -232,8 +232,8 @@ class RequestDriver(Driver):
                 for i, err in enumerate(errors)]
 
     async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
-                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None
-                           ) -> list[R | Found | Failed]:
+                           nbytes: int, inplace: list[tuple[bytes, Any]] | None = None,
+                           landed: Callable[[int], None] | None = None) -> list[R | Found | Failed]:
         """Ranged GETs; each record is checked on the event loop as soon as its GET returns (see
         :meth:`write_records` for why not in a worker thread), while the other requests go on."""
 

@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 import torch
 
-from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
 from tierkv.backends.fsspec._io import (
@@ -50,7 +50,7 @@ from tierkv.backends.fsspec._io import (
     temp_owner_alive,
 )
 from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
-from tierkv.backends.fsspec._outcomes import Failed, RecordRead, Skipped, Written
+from tierkv.backends.fsspec._outcomes import Failed, Found, RecordRead, Skipped, Written
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
 from tierkv.backends.fsspec._verdicts import Refusals, sort_reads
@@ -378,17 +378,18 @@ class FsspecTier(Tier):
         await self._evict()
         return ok
 
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
         """Read, verify and decode records into ``out``; a damaged record is a counted miss, removed."""
         self._reading += 1
         try:
-            return await self._get(keys, out)
+            return await self._get(keys, out, landed)
         except Exception as exc:
             raise self._error("reading records", exc) from None
         finally:
             self._reading -= 1
 
-    async def _get(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def _get(self, keys: Sequence[bytes], out: torch.Tensor, landed: RowLanded | None) -> list[bool]:
         block_bytes = out.numel() * out.element_size() // max(1, len(keys))
         np_out = as_bytes(out, len(keys), block_bytes).numpy()
         fp = self.context.fingerprint
@@ -399,13 +400,16 @@ class FsspecTier(Tier):
         paths = [self.path(k) for k in keys]
 
         def job(i: int, src: RecordSource) -> RecordRead:
-            return read_into(keys[i], np_out[i], heads, src, fp, ring)
+            verdict = read_into(keys[i], np_out[i], heads, src, fp, ring)
+            if landed is not None and isinstance(verdict, Found):
+                landed(i)
+            return verdict
 
         inplace = None  # reader processes verify unencrypted records only
         if heads and ring is None and self.driver.reads_in_place():
             inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
         verdicts = await self.driver.read_records(paths, block_bytes + RECORD_OVERHEAD + 1, job,
-                                                  np_out.nbytes, inplace)
+                                                  np_out.nbytes, inplace, landed)
         reads = sort_reads(paths, keys, verdicts)
         if reads.errors:
             self.count("read_errors", len(reads.errors))

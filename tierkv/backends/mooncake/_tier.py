@@ -26,7 +26,7 @@ from typing import TypeVar
 import anyio
 import torch
 
-from tierkv.backends.base import Capabilities, Tier, TierConfig, TierContext
+from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.backends.mooncake._client import (
     ABSENT,
     DOWN_CODES,
@@ -218,7 +218,8 @@ class MooncakeTier(Tier):
         self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
         return ok
 
-    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+    async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
+                  landed: RowLanded | None = None) -> list[bool]:
         """Read and verify records straight into ``out``'s rows; a damaged or truncated object
         is a counted miss (``corrupt``, ``corrupt_<reason>``) and is removed; an object the master
         evicted or whose node has gone is a miss."""
