@@ -105,34 +105,18 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
         readers = readers_of(t)
         assert len(readers.procs) == 2
         warm(tmp_path / "t")
-        found = await t.get(0, keys(), pool)
+        seen: list[tuple[int, bytes]] = []  # rows reported verified, as they were then
+        found = await t.get(0, keys(), pool, lambda i: seen.append((i, pool[i].numpy().tobytes())))
         assert found == [True] * N
         assert torch.equal(pool, data)
         assert backend(t).get("reader_reads") == N  # every record by a helper, none by a thread
+        # each reported at once (a waiting get copies it out: tierkv.rowsink), with its bytes
+        assert sorted(i for i, _ in seen) == list(range(N))
+        assert all(row == data[i].numpy().tobytes() for i, row in seen)
         procs = [p.proc for p in readers.procs]
     finally:
         await t.close()
     assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
-
-
-async def test_rows_the_helpers_verify_are_reported_as_landed(tmp_path: Path) -> None:
-    # a waiting get copies each reported row out at once (tierkv.rowsink), helpers' rows too
-    data = blocks()
-    await stored(tmp_path / "t", data)
-    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
-    t = tier(tmp_path / "t", read_processes=2)
-    await t.open()
-    try:
-        readers_of(t)
-        warm(tmp_path / "t")
-        seen: list[tuple[int, bytes]] = []
-        found = await t.get(0, keys(), pool, lambda i: seen.append((i, pool[i].numpy().tobytes())))
-        assert found == [True] * N
-        assert backend(t).get("reader_reads", 0) > 0
-        assert sorted(i for i, _ in seen) == list(range(N))  # helpers' rows and threads' rows
-        assert all(row == data[i].numpy().tobytes() for i, row in seen)
-    finally:
-        await t.close()
 
 
 async def test_the_helpers_are_ready_once_the_tier_is_open(tmp_path: Path) -> None:
