@@ -104,9 +104,20 @@ class MooncakeMaster:
             self.proc = None
 
     def freeze(self, frozen: bool = True) -> None:
-        """SIGSTOP the master (a hung server: connections open, no answers), or SIGCONT it."""
+        """SIGSTOP the master (a hung server: connections open, no answers), or SIGCONT it.
+
+        Returns once every thread of the master is stopped (or running again): a signal is
+        delivered when its threads next run, and a thread that answered one more request after
+        ``kill`` returned made a test's "hung" master serve it.
+        """
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            stopped = _all_stopped(self.proc.pid)
+            if stopped is None or stopped is frozen:
+                return
+            time.sleep(0.001)
 
     def restart(self) -> MooncakeMaster:
         """Start it again on the same port (its objects are gone: a master keeps them in memory)."""
@@ -164,3 +175,16 @@ class StorageNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _all_stopped(pid: int) -> bool | None:
+    """Whether every thread of ``pid`` is stopped (state T); None where /proc cannot say."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for t in tasks:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+    except OSError:
+        return None
+    return all(st in ("T", "t") for st in states)
