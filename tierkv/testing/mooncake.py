@@ -107,8 +107,8 @@ class MooncakeMaster:
         """SIGSTOP the master (a hung server: connections open, no answers), or SIGCONT it.
 
         Returns once every thread of the master is stopped (or running again): a signal is
-        delivered when its threads next run, and a thread that answered one more request after
-        ``kill`` returned made a test's "hung" master serve it.
+        acted on when each thread next runs, so a thread still running when ``kill`` returns
+        could answer one more request from a master a test takes for hung.
         """
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
