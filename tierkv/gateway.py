@@ -421,10 +421,8 @@ class TierGateway:
         """Read ``keys[i]`` into row ``rows[i]`` of ``dest`` (``[n, block_bytes]`` bytes).
 
         The keys are read in batches, in order, as many at once as the tier's load budget allows;
-        ``on_batch(positions, ok)`` is called under the lock as each batch lands, so callers can use
-        blocks before the whole load ends; ``on_row(position, row)`` where the tier says a block
-        is verified (in ``row``: the ``dest`` row, or the batch's own buffer), in the reading
-        thread, before its batch lands. A row is written only with bytes the tier verified.
+        ``on_batch(positions, ok)`` is called under the lock as each batch lands, ``on_row`` (see
+        :data:`OnRow`) as the tier verifies each block. A row is written only with verified bytes.
         Returns, per key, whether it was read; errors are counted, never raised.
         """
         block = dest.shape[1] * dest.element_size()
@@ -433,9 +431,7 @@ class TierGateway:
             return ok
 
         async def one(plan: RowPlan) -> None:
-            got = await self._load_batch(group, [keys[i] for i in plan.positions], dest,
-                                         [rows[i] for i in plan.positions], plan.run, block,
-                                         None if on_row is None else _rows_of(plan.positions, on_row))
+            got = await self._load_batch(group, plan, keys, rows, dest, block, on_row)
             with self._lock:
                 for i, f in zip(plan.positions, got, strict=True):
                     ok[i] = f
@@ -468,13 +464,12 @@ class TierGateway:
         """Bytes of loads in flight now."""
         return self._load_budget.used
 
-    async def _load_batch(self, group: int, keys: list[bytes], dest: torch.Tensor, rows: list[int],
-                          run: tuple[int, int] | None, block: int,
-                          on_row: Callable[[int, torch.Tensor], None] | None) -> list[bool]:
-        direct = run is not None and dest.device.type == "cpu"
-        if direct:
-            assert run is not None
-            buf = row_span(as_bytes(dest, dest.shape[0], block), run[0], run[1])
+    async def _load_batch(self, group: int, plan: RowPlan, keys_in: Sequence[bytes], rows_in: Sequence[int],
+                          dest: torch.Tensor, block: int, on_row: OnRow | None) -> list[bool]:
+        keys, rows = [keys_in[i] for i in plan.positions], [rows_in[i] for i in plan.positions]
+        direct = plan.run is not None and dest.device.type == "cpu"
+        if direct and plan.run is not None:
+            buf = row_span(as_bytes(dest, dest.shape[0], block), plan.run[0], plan.run[1])
         else:
             buf = torch.empty((len(keys), block), dtype=torch.uint8)
         t0 = time.monotonic()
@@ -483,7 +478,7 @@ class TierGateway:
                 self._busy_since = t0
             self._loads_running += 1
         try:
-            landed = None if on_row is None else functools.partial(_landed, on_row, buf)
+            landed = None if on_row is None else functools.partial(_landed, on_row, plan.positions, buf)
             async with self._read_limiter:
                 found = list(await self.tier.get(group, keys, buf, landed))
             with self._lock:
@@ -587,10 +582,6 @@ def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) 
     return t if t.device.type == "cpu" else t.cpu()
 
 
-def _rows_of(positions: list[int], on_row: OnRow) -> Callable[[int, torch.Tensor], None]:
-    """``on_row`` for a batch: its ``j`` -> the load's position."""
-    return lambda j, row: on_row(positions[j], row)
-
-
-def _landed(on_row: Callable[[int, torch.Tensor], None], buf: torch.Tensor, j: int) -> None:
-    on_row(j, buf[j])
+def _landed(on_row: OnRow, positions: list[int], buf: torch.Tensor, j: int) -> None:
+    """Row ``j`` of a batch read into ``buf`` is verified: tell ``on_row`` its load position."""
+    on_row(positions[j], buf[j])

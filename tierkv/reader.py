@@ -63,7 +63,7 @@ class Reader:
         todo = list(range(len(keys)))
         missing: list[int] = []
         promoted: set[int] = set()
-        sink = RowSink(out8, keys) if out8.device.type == "cpu" else None
+        sink: RowSink | None = None  # made once something is waited for (a HIT copies and returns)
         listened: list[Landing] = []
         with self._lock:
             call = self._admission.open_call()
@@ -73,7 +73,8 @@ class Reader:
                     absent, waits = self._copy_resident(pool, keys, todo, out8, sink)
                     if absent:
                         absent = self._promote(group, keys, absent, promoted, call, waits)
-                    if sink is not None:
+                    if waits and out8.device.type == "cpu":
+                        sink = sink or RowSink(out8, keys)
                         self._listen(sink, keys, waits, listened)
                 if absent:
                     missing += await self._read_aside(group, pool, keys, absent, out8)

@@ -31,6 +31,7 @@ logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ from tierkv.backends.namespace import (
     newest_keys,
     record_path,
 )
-from tierkv.backends.recordread import RECORD_OVERHEAD, none_heads, read_into
+from tierkv.backends.recordread import RECORD_OVERHEAD, Heads, none_heads, read_into
 from tierkv.encryption import KeyRing
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
 from tierkv.record import (
@@ -399,11 +400,7 @@ class FsspecTier(Tier):
                  if self.cfg.codec == "none" else {})
         paths = [self.path(k) for k in keys]
 
-        def job(i: int, src: RecordSource) -> RecordRead:
-            verdict = read_into(keys[i], np_out[i], heads, src, fp, ring)
-            if landed is not None and isinstance(verdict, Found):
-                landed(i)
-            return verdict
+        job = functools.partial(_read_one, keys, np_out, heads, fp, ring, landed)
 
         inplace = None  # reader processes verify unencrypted records only
         if heads and ring is None and self.driver.reads_in_place():
@@ -489,3 +486,13 @@ class FsspecTier(Tier):
         if self._driver is not None:
             self.counters.update(self._driver.counts())
         return self._ledger.used
+
+
+def _read_one(keys: Sequence[bytes], rows: Any, heads: Heads, fp: str, ring: KeyRing | None,
+              landed: RowLanded | None, i: int, src: RecordSource) -> RecordRead:
+    """Read record ``i`` into ``rows[i]`` and verify it (:func:`read_into`); then ``landed(i)``
+    when it was verified."""
+    verdict = read_into(keys[i], rows[i], heads, src, fp, ring)
+    if landed is not None and isinstance(verdict, Found):
+        landed(i)
+    return verdict
