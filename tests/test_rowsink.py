@@ -14,12 +14,13 @@ import pytest
 import torch
 from helpers import FULL, blocks, config, hashes
 
-from tierkv import GroupSpec, Layout, TieredStore, make_key
+from tierkv import GroupSpec, Layout, TieredStore, make_key, rowsink
 from tierkv.backends import registry
 from tierkv.backends.base import RowLanded
 from tierkv.backends.memory import MemoryTier
 from tierkv.pool import SlotPool
 from tierkv.rowsink import RowSink
+from tierkv.tensors import copy_row
 
 pytestmark = pytest.mark.anyio
 
@@ -40,26 +41,41 @@ def test_a_block_fills_every_row_that_wants_it_once() -> None:
     assert not sink.filled(1)
 
 
-def test_nothing_is_written_after_close_and_close_waits_for_a_copy_under_way() -> None:
+@pytest.mark.parametrize("where", ["caller", "worker thread"])
+def test_a_row_copy_is_byte_exact_from_any_thread_and_falls_back_where_memmove_cannot(where: str) -> None:
+    src = torch.randint(0, 256, (4, 4096), dtype=torch.uint8)
+    out = torch.zeros((4, 4096), dtype=torch.uint8)
+    strided = torch.zeros((4096, 2), dtype=torch.uint8)[:, 0]  # a row that is not contiguous
+    wide = torch.zeros(1024, dtype=torch.int32)  # another dtype: copy_ converts values
+
+    def work() -> None:
+        copy_row(out[1], src[2])
+        copy_row(strided, src[3])
+        copy_row(wide, src[0, :1024])
+
+    if where == "caller":
+        work()
+    else:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(10)
+    assert torch.equal(out[1], src[2]) and not out[0].any() and not out[2:].any()
+    assert torch.equal(strided, src[3])
+    assert torch.equal(wide, src[0, :1024].to(torch.int32))
+
+
+def test_nothing_is_written_after_close_and_close_waits_for_a_copy_under_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     started, release = threading.Event(), threading.Event()
 
-    class SlowRow:
-        def __init__(self, row: torch.Tensor) -> None:
-            self.row = row
+    def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        started.set()
+        release.wait(5)
+        dst.copy_(src)
 
-        def copy_(self, src: torch.Tensor) -> None:
-            started.set()
-            release.wait(5)
-            self.row.copy_(src)
-
+    monkeypatch.setattr(rowsink, "copy_row", slow_copy)
     out = torch.zeros((2, 4), dtype=torch.uint8)
-    rows = [SlowRow(out[0]), SlowRow(out[1])]
-
-    class Out:
-        def __getitem__(self, i: int) -> SlowRow:
-            return rows[i]
-
-    sink = RowSink(Out(), [b"a", b"b"])  # type: ignore[arg-type]
+    sink = RowSink(out, [b"a", b"b"])
     filler = threading.Thread(target=sink.fill, args=(b"a", torch.ones(4, dtype=torch.uint8)))
     filler.start()
     assert started.wait(5)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tierkv.tensors import copy_row
+
 __all__ = ["RowSink"]
 
 
@@ -51,7 +53,7 @@ class RowSink:
         done: list[int] = []
         try:
             for i in rows:
-                self._out[i].copy_(row)
+                copy_row(self._out[i], row)
                 done.append(i)
         except Exception:  # get copies the rows not marked filled
             pass

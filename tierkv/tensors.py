@@ -3,13 +3,15 @@ changes), and the batched row copies every part uses (runs of adjacent rows copi
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["as_bytes", "byte_rows", "contiguous_run", "row_span", "scatter_rows", "take_rows", "wide_view"]
+__all__ = ["as_bytes", "byte_rows", "contiguous_run", "copy_row", "row_span", "scatter_rows", "take_rows",
+           "wide_view"]
 
 
 def as_bytes(t: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
@@ -60,6 +62,22 @@ def byte_rows(t: object, n: int, block_bytes: int, what: str, device: torch.devi
         return as_bytes(t, n, block_bytes)
     except RuntimeError as exc:
         raise InvalidArgument(f"{what} cannot be viewed as bytes: {str(exc).splitlines()[0]}") from None
+
+
+def copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for one row, from any thread.
+
+    Between contiguous CPU tensors of the same dtype and size this is one ``memmove`` with the GIL
+    released. Torch's ``copy_`` splits even a 256 KiB row over its intra-op threads, and called
+    from a worker thread (a tier's reader) that costs more than the copy: 4 GB/s against 21 for
+    ``memmove`` here (docs/performance.md, "Row copies from worker threads").
+    """
+    n = dst.nbytes
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and src.nbytes == n and dst.is_contiguous() and src.is_contiguous()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
 
 
 def take_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
