@@ -7,8 +7,9 @@ and for loads, concurrent calls), its measured store latency and read rate, its 
 conversion of backend errors into counted failures: nothing it runs raises into the caller's path.
 
 Data moves between a tier and rows of a caller's tensor (a pool, an engine's buffer, ``get``'s
-``out``) without intermediate copies where the rows allow: runs of consecutive rows are read and
-written in place; scattered rows go through one staging buffer per batch (:func:`plan_rows`).
+``out``) without intermediate copies where the rows allow: a tier with ``scattered_rows`` reads and
+writes each block where its row lies, one call per batch; for other tiers runs of consecutive rows
+move in place and scattered rows go through one staging buffer per batch (:func:`plan_rows`).
 
 State changes are made under the lock the gateway is given (the store's), because lookups on other
 threads read the presence cache; the coroutines run on the owner's event loop.
@@ -93,14 +94,19 @@ class RowPlan:
     run: tuple[int, int] | None
 
 
-def plan_rows(rows: Sequence[int], block_bytes: int, batch_bytes: int = LOAD_BATCH_BYTES) -> list[RowPlan]:
+def plan_rows(rows: Sequence[int], block_bytes: int, batch_bytes: int = LOAD_BATCH_BYTES,
+              scattered: bool = False) -> list[RowPlan]:
     """Cut a transfer of ``rows`` into batches, in key order.
 
-    Runs of consecutive rows at least :data:`DIRECT_RUN_BYTES` long (or the whole transfer) become
-    in-place batches, split at ``batch_bytes``; the other positions are gathered into batches of
-    about ``batch_bytes`` that go through a staging buffer.
+    ``scattered`` (a tier that moves blocks where their rows lie): batches of about
+    ``batch_bytes``, whatever the rows. Otherwise runs of consecutive rows at least
+    :data:`DIRECT_RUN_BYTES` long (or the whole transfer) become in-place batches, split at
+    ``batch_bytes``; the other positions are gathered into batches of about ``batch_bytes`` that
+    go through a staging buffer.
     """
     per = max(1, batch_bytes // max(1, block_bytes))
+    if scattered:
+        return [RowPlan(list(range(a, min(len(rows), a + per))), None) for a in range(0, len(rows), per)]
     direct_min = max(1, DIRECT_RUN_BYTES // max(1, block_bytes))
     out: list[RowPlan] = []
     gathered: list[int] = []
@@ -367,15 +373,22 @@ class TierGateway:
         acquired = False
         raised: list[BaseException] = []
 
+        scattered = self._scattered(src)
+        src8 = as_bytes(src, src.shape[0], block) if scattered else src
+
         async def put(plan: RowPlan) -> None:
             sub = [keys[i] for i in plan.positions]
             try:
-                data = _take_rows(src, plan.run, [rows[i] for i in plan.positions])
+                at = [rows[i] for i in plan.positions]
+                data = src8 if scattered else _take_rows(src, plan.run, at)
                 async with self._write_limiter:
                     with self._lock:
                         self.stats.inflight_ops += 1
                     try:
-                        res = await self.tier.put(group, sub, data)
+                        if scattered:
+                            res = await self.tier.put_rows(group, sub, data, at)
+                        else:
+                            res = await self.tier.put(group, sub, data)
                     finally:
                         with self._lock:
                             self.stats.inflight_ops -= 1
@@ -391,7 +404,7 @@ class TierGateway:
             acquired = True
             t0 = time.monotonic()
             async with anyio.create_task_group() as tg:
-                for plan in plan_rows(rows, block):
+                for plan in plan_rows(rows, block, scattered=scattered):
                     tg.start_soon(put, plan)
             if any(ok):
                 elapsed = time.monotonic() - t0
@@ -422,7 +435,8 @@ class TierGateway:
 
         The keys are read in batches, in order, as many at once as the tier's load budget allows;
         ``on_batch(positions, ok)`` is called under the lock as each batch lands, ``on_row`` (see
-        :data:`OnRow`) as the tier verifies each block. A row is written only with verified bytes.
+        :data:`OnRow`) as the tier verifies each block. The row of a key answered False holds
+        unspecified bytes (a damaged record may have been read into it) and must not be used.
         Returns, per key, whether it was read; errors are counted, never raised.
         """
         block = dest.shape[1] * dest.element_size()
@@ -430,8 +444,10 @@ class TierGateway:
         if not keys:
             return ok
 
+        scattered = self._scattered(dest)
+
         async def one(plan: RowPlan) -> None:
-            got = await self._load_batch(group, plan, keys, rows, dest, block, on_row)
+            got = await self._load_batch(group, plan, keys, rows, dest, block, on_row, scattered)
             with self._lock:
                 for i, f in zip(plan.positions, got, strict=True):
                     ok[i] = f
@@ -444,7 +460,8 @@ class TierGateway:
             finally:
                 self._load_budget.release(nbytes)
 
-        plans = plan_rows(rows, block, min(LOAD_BATCH_BYTES, max(block, self.cfg.max_inflight_bytes // 4)))
+        plans = plan_rows(rows, block, min(LOAD_BATCH_BYTES, max(block, self.cfg.max_inflight_bytes // 4)),
+                          scattered)
         total = len(keys) * block
         with self._lock:
             self.load_backlog_bytes += total
@@ -464,11 +481,18 @@ class TierGateway:
         """Bytes of loads in flight now."""
         return self._load_budget.used
 
-    async def _load_batch(self, group: int, plan: RowPlan, keys_in: Sequence[bytes], rows_in: Sequence[int],
-                          dest: torch.Tensor, block: int, on_row: OnRow | None) -> list[bool]:
+    def _scattered(self, rows: torch.Tensor) -> bool:
+        """Whether blocks move straight between the tier and ``rows`` wherever they lie."""
+        return self.tier.capabilities.scattered_rows and rows.device.type == "cpu"
+
+    async def _load_batch(self, group: int, plan: RowPlan, keys_in: Sequence[bytes],
+                          rows_in: Sequence[int], dest: torch.Tensor, block: int, on_row: OnRow | None,
+                          scattered: bool) -> list[bool]:
         keys, rows = [keys_in[i] for i in plan.positions], [rows_in[i] for i in plan.positions]
-        direct = plan.run is not None and dest.device.type == "cpu"
-        if direct and plan.run is not None:
+        direct = scattered or (plan.run is not None and dest.device.type == "cpu")
+        if scattered:
+            buf = as_bytes(dest, dest.shape[0], block)
+        elif direct and plan.run is not None:
             buf = row_span(as_bytes(dest, dest.shape[0], block), plan.run[0], plan.run[1])
         else:
             buf = torch.empty((len(keys), block), dtype=torch.uint8)
@@ -478,9 +502,13 @@ class TierGateway:
                 self._busy_since = t0
             self._loads_running += 1
         try:
-            landed = None if on_row is None else functools.partial(_landed, on_row, plan.positions, buf)
+            landed = None if on_row is None else functools.partial(
+                _landed, on_row, plan.positions, buf, rows if scattered else None)
             async with self._read_limiter:
-                found = list(await self.tier.get(group, keys, buf, landed))
+                if scattered:
+                    found = list(await self.tier.get_rows(group, keys, buf, rows, landed))
+                else:
+                    found = list(await self.tier.get(group, keys, buf, landed))
             with self._lock:
                 self.health.read(any(found))
         except Exception as exc:
@@ -582,6 +610,7 @@ def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) 
     return t if t.device.type == "cpu" else t.cpu()
 
 
-def _landed(on_row: OnRow, positions: list[int], buf: torch.Tensor, j: int) -> None:
-    """Row ``j`` of a batch read into ``buf`` is verified: tell ``on_row`` its load position."""
-    on_row(positions[j], buf[j])
+def _landed(on_row: OnRow, positions: list[int], buf: torch.Tensor, rows: list[int] | None, j: int) -> None:
+    """Block ``j`` of a batch, read into row ``j`` of ``buf`` (or row ``rows[j]``), is verified:
+    tell ``on_row`` its load position."""
+    on_row(positions[j], buf[j if rows is None else rows[j]])

@@ -33,6 +33,9 @@ class Capabilities:
     - ``deletable``: ``delete`` removes blocks.
     - ``slot_pool``: the tier is a preallocated slot pool and may be the primary (tier 0).
     - ``bounded``: the tier enforces ``capacity_bytes`` by evicting.
+    - ``scattered_rows``: :meth:`Tier.get_rows` and :meth:`Tier.put_rows` move blocks straight
+      between the tier and scattered rows of a larger CPU tensor (an engine's pool, whose free
+      rows are rarely adjacent), in one call, with no gathered copy.
     """
 
     persistent: bool = False
@@ -41,6 +44,7 @@ class Capabilities:
     deletable: bool = True
     slot_pool: bool = False
     bounded: bool = True
+    scattered_rows: bool = False
 
 
 class TierConfig(StrictNumbers):
@@ -179,6 +183,19 @@ class Tier(ABC):
         verified it, before ``get`` returns (a row it was called for is answered True); a tier
         may call it for none of them.
         """
+
+    async def put_rows(self, group: int, keys: Sequence[bytes], src: torch.Tensor,
+                       rows: Sequence[int]) -> list[bool]:
+        """Store ``src[rows[i]]`` (``src``: ``[n, block_bytes]`` bytes on the CPU) under ``keys[i]``,
+        as :meth:`put` does. Called only on tiers whose capabilities say ``scattered_rows``."""
+        raise NotImplementedError(f"{self.kind} tier cannot write from scattered rows")
+
+    async def get_rows(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
+                       landed: RowLanded | None = None) -> list[bool]:
+        """Fill ``dest[rows[i]]`` (``dest``: ``[n, block_bytes]`` bytes on the CPU) with the block of
+        ``keys[i]``, as :meth:`get` does (``landed(i)`` names the key's position ``i``). Called
+        only on tiers whose capabilities say ``scattered_rows``."""
+        raise NotImplementedError(f"{self.kind} tier cannot read into scattered rows")
 
     @abstractmethod
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:

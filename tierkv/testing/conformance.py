@@ -154,6 +154,32 @@ class TierTests:
             assert sorted(i for i, _ in seen) == [0, 2, 4]
 
     @pytest.mark.anyio
+    async def test_scattered_rows(self, tier: Tier) -> None:
+        self.skip_unless(tier, "scattered_rows")
+        bb = self.bb(FULL)
+        keys = [make_key(h, FULL) for h in _hashes(5, salt=6)]
+        data = _blocks(5, bb, seed=13)
+        src = torch.zeros((12, bb), dtype=torch.uint8)
+        at = [7, 2, 9, 4, 0]
+        src[at] = data
+        assert await tier.put_rows(FULL, keys[:4], src, at[:4]) == [True] * 4  # the last never stored
+        dest = torch.full((12, bb), 0xA5, dtype=torch.uint8)
+        to = [3, 11, 0, 6, 8]
+        seen: list[int] = []
+        found = await tier.get_rows(FULL, keys, dest, to, seen.append)
+        assert found == [True] * 4 + [False]
+        for i in range(4):
+            assert torch.equal(dest[to[i]], data[i])
+        others = [r for r in range(12) if r not in to]
+        assert bool((dest[others] == 0xA5).all()), "rows no key was read into are left alone"
+        assert len(set(seen)) == len(seen) and set(seen) <= {0, 1, 2, 3}
+        if self.reports_rows:
+            assert sorted(seen) == [0, 1, 2, 3]
+        again = torch.zeros((4, bb), dtype=torch.uint8)  # what put_rows stored reads back through get
+        assert await tier.get(FULL, keys[:4], again) == [True] * 4
+        assert torch.equal(again, data[:4])
+
+    @pytest.mark.anyio
     async def test_groups_do_not_share_keys(self, tier: Tier) -> None:
         h = b"\x01" * 32
         a = _blocks(1, self.bb(FULL), seed=1)

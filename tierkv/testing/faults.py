@@ -130,12 +130,30 @@ class FaultyTier(Tier):
         t0 = time.monotonic()
         await self._maybe_fail("get")
         found = await self.inner.get(group, keys, out)
+        await self._throttle(t0, out.numel() * out.element_size() * sum(found) // max(1, len(keys)))
+        return found
+
+    async def put_rows(self, group: int, keys: Sequence[bytes], src: torch.Tensor,
+                       rows: Sequence[int]) -> list[bool]:
+        """Maybe fail, else delegate."""
+        await self._maybe_fail("put")
+        return await self.inner.put_rows(group, keys, src, rows)
+
+    async def get_rows(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
+                       landed: RowLanded | None = None) -> list[bool]:
+        """Maybe fail, else delegate (no faster than ``max_read_bytes_per_s``)."""
+        t0 = time.monotonic()
+        await self._maybe_fail("get")
+        found = await self.inner.get_rows(group, keys, dest, rows)
+        await self._throttle(t0, dest.shape[1] * dest.element_size() * sum(found))
+        return found
+
+    async def _throttle(self, t0: float, nbytes: int) -> None:
+        """Hold a read that began at ``t0`` until ``nbytes`` have crossed the link, when it has a rate."""
         if self.cfg.max_read_bytes_per_s:
             # one link shared by every call: concurrent reads queue behind each other
-            nbytes = out.numel() * out.element_size() * sum(found) // max(1, len(keys))
             self._link_free_at = max(self._link_free_at, t0) + nbytes / self.cfg.max_read_bytes_per_s
             await anyio.sleep(max(0.0, self._link_free_at - time.monotonic()))
-        return found
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Maybe fail, else delegate."""

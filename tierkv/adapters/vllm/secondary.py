@@ -557,8 +557,8 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
             for group, pos in _by_group(keys).items():
                 if group not in self._groups:
                     continue
-                # records are verified before a byte lands in a row; a row whose record fails
-                # stays unused (vLLM frees the slot of a failed key)
+                # a key is reported loaded only once its record is verified; the row of a key
+                # that failed holds unspecified bytes and stays unused (vLLM frees its slot)
                 res = await self._gw.load(group, [keys[i] for i in pos], rows, [cids[i] for i in pos])
                 for i, f in zip(pos, res, strict=True):
                     ok[i] = f

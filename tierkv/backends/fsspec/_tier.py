@@ -34,7 +34,7 @@ import errno
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -97,7 +97,7 @@ class FsspecTier(Tier):
     """
 
     kind = "fsspec"
-    capabilities = Capabilities(persistent=True, fast_contains=False)
+    capabilities = Capabilities(persistent=True, fast_contains=False, scattered_rows=True)
     config_model = FsspecTierConfig
 
     def __init__(self, config: TierConfig, context: TierContext) -> None:
@@ -334,12 +334,21 @@ class FsspecTier(Tier):
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Encode each block into a record and publish it atomically; per key, whether it is stored."""
         try:
-            return await self._put(keys, blocks)
+            rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
+            return await self._put(keys, rows, rows.nbytes)
         except Exception as exc:
             raise self._error("storing records", exc) from None
 
-    async def _put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
-        rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
+    async def put_rows(self, group: int, keys: Sequence[bytes], src: torch.Tensor,
+                       rows: Sequence[int]) -> list[bool]:
+        """:meth:`put` of ``src[rows[i]]``: each record encoded from its row where it lies."""
+        try:
+            whole = src.numpy()
+            return await self._put(keys, [whole[r] for r in rows], len(keys) * whole.shape[1])
+        except Exception as exc:
+            raise self._error("storing records", exc) from None
+
+    async def _put(self, keys: Sequence[bytes], rows: Any, nbytes: int) -> list[bool]:
         cfg = self.cfg
         fp = self.context.fingerprint
         cap = cfg.capacity_bytes
@@ -353,7 +362,7 @@ class FsspecTier(Tier):
                 return None  # a record larger than the whole tier is never written
             return parts
 
-        results = await self.driver.write_records(paths, encode, rows.nbytes)
+        results = await self.driver.write_records(paths, encode, nbytes)
         now = time.time()
         ok = [False] * len(keys)
         too_large = 0
@@ -382,17 +391,31 @@ class FsspecTier(Tier):
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
                   landed: RowLanded | None = None) -> list[bool]:
         """Read, verify and decode records into ``out``; a damaged record is a counted miss, removed."""
+        block = out.numel() * out.element_size() // max(1, len(keys))
+        return await self._get(keys, lambda: as_bytes(out, len(keys), block).numpy(), block, landed)
+
+    async def get_rows(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
+                       landed: RowLanded | None = None) -> list[bool]:
+        """:meth:`get` into ``dest[rows[i]]``: each record read straight into its row."""
+
+        def views() -> list[Any]:
+            whole = dest.numpy()
+            return [whole[r] for r in rows]
+
+        return await self._get(keys, views, dest.shape[1], landed)
+
+    async def _get(self, keys: Sequence[bytes], rows: Callable[[], Any], block_bytes: int,
+                   landed: RowLanded | None) -> list[bool]:
         self._reading += 1
         try:
-            return await self._get(keys, out, landed)
+            return await self._read(keys, rows(), block_bytes, landed)
         except Exception as exc:
             raise self._error("reading records", exc) from None
         finally:
             self._reading -= 1
 
-    async def _get(self, keys: Sequence[bytes], out: torch.Tensor, landed: RowLanded | None) -> list[bool]:
-        block_bytes = out.numel() * out.element_size() // max(1, len(keys))
-        np_out = as_bytes(out, len(keys), block_bytes).numpy()
+    async def _read(self, keys: Sequence[bytes], np_out: Any, block_bytes: int,
+                    landed: RowLanded | None) -> list[bool]:
         fp = self.context.fingerprint
         ring = self._ring
         heads = (none_heads(keys, fp, block_bytes, self.cfg.elem_size,
@@ -406,7 +429,7 @@ class FsspecTier(Tier):
         if heads and ring is None and self.driver.reads_in_place():
             inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
         verdicts = await self.driver.read_records(paths, block_bytes + RECORD_OVERHEAD + 1, job,
-                                                  np_out.nbytes, inplace, landed)
+                                                  len(keys) * block_bytes, inplace, landed)
         reads = sort_reads(paths, keys, verdicts)
         if reads.errors:
             self.count("read_errors", len(reads.errors))
