@@ -15,7 +15,8 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 
 # each runs well past the later interrupt (pool_copy's default work can end in under 6 s)
-SCRIPTS = {"restore.py": [], "fs_tier.py": [], "pool_copy.py": ["--repeats", "500"], "calls.py": []}
+SCRIPTS = {"restore.py": [], "fs_tier.py": [], "pool_copy.py": ["--repeats", "500"], "calls.py": [],
+           "row_copy.py": ["--rounds", "500"]}
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -46,7 +47,7 @@ BAD_FLAGS = [("restore.py", ["--repeats", "0"]), ("pool_copy.py", ["--repeats", 
              ("fs_tier.py", ["--dir", "/nonexistent/tierkv"]), ("codec.py", ["--level", "99"]),
              ("gpu_copy.py", ["--layers", "x"]), ("peers.py", ["--dir", "/nonexistent/tierkv"]),
              ("calls.py", ["--rounds", "0"]), ("calls.py", ["--dir", "/nonexistent/tierkv"]),
-             ("calls.py", ["--read-processes", "9"])]
+             ("calls.py", ["--read-processes", "9"]), ("row_copy.py", ["--kib", "0"])]
 
 
 @pytest.mark.parametrize(("script", "flags"), BAD_FLAGS)
