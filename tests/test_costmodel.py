@@ -262,8 +262,8 @@ def test_a_tier_unmeasured_below_its_prior_is_planned_with_the_prior_again(monke
     gw = TierGateway(1, tier)
     now = time.monotonic()
     for _ in range(RATE_WINDOW):
-        gw._sample_read_rate(1000, now + 1)
-        gw._busy_since = now
+        gw._rate.landed(1000, now + 1)
+        gw._rate.busy_since = now
     assert gw.read_bytes_per_s < 1e4
     assert gw.planning_rate(now + 1.5) == gw.read_bytes_per_s
     assert gw.planning_rate(now + 1 + REPROBE_S) == 500e6, "never measured again: restores off for good"

@@ -50,11 +50,16 @@ MAX_RATE = 1e12
 
 
 class RateEstimate:
-    """A read rate from samples: the (upper) median of the last :data:`RATE_WINDOW`, bounded."""
+    """A tier's read rate from samples: the (upper) median of the last :data:`RATE_WINDOW`, bounded;
+    a sample is the bytes a load landed over the time loads were in flight since the last one."""
 
     def __init__(self, prior: float) -> None:
+        self.prior = float(prior)
         self.samples: collections.deque[float] = collections.deque([_bounded(prior)], maxlen=RATE_WINDOW)
         self.value = self.samples[0]
+        #: when loads were last idle or last landed (the owner sets it as the first load starts)
+        self.busy_since = 0.0
+        self.last_sample = time.monotonic()
 
     def add(self, sample: float) -> float:
         """Take one sample (bytes/s; NaN, zero or less carry no information) and return the estimate."""
@@ -63,6 +68,23 @@ class RateEstimate:
             ordered = sorted(self.samples)
             self.value = ordered[len(ordered) // 2]
         return self.value
+
+    def landed(self, nbytes: int, now: float) -> None:
+        """A load landed ``nbytes`` at ``now``: one sample, bytes over the time loads were busy."""
+        busy = now - self.busy_since
+        self.busy_since = now
+        if nbytes > 0 and busy > 0:
+            self.add(nbytes / busy)
+            self.last_sample = now
+
+    def planning(self, now: float) -> float:
+        """The rate the cost model plans with: the estimate, or, when it has fallen below the prior
+        and no load has measured it for :data:`REPROBE_S`, the prior again, so the next restore
+        loads and measures (a tier the cost model stopped using would otherwise never be measured
+        again: one slow moment would switch restores off for good)."""
+        if self.value < self.prior and now - self.last_sample >= REPROBE_S:
+            return self.prior
+        return max(self.value, 1.0)
 
 
 def _bounded(rate: float) -> float:
@@ -203,11 +225,7 @@ class TierGateway:
         self.store_admitted_bytes = 0
         self.store_admitted_ops = 0
         self.ema_s_per_mib = 0.0
-        self.read_bytes_per_s = float(cfg.read_bytes_per_s)
-        self._read_samples = 0
-        self._last_read_sample = time.monotonic()
-        self._rate = RateEstimate(self.read_bytes_per_s)
-        self._busy_since = 0.0
+        self._rate = RateEstimate(cfg.read_bytes_per_s)
         self._loads_running = 0
         #: bytes of loads asked for and not landed yet (in flight or waiting for the budget)
         self.load_backlog_bytes = 0
@@ -385,10 +403,8 @@ class TierGateway:
                     with self._lock:
                         self.stats.inflight_ops += 1
                     try:
-                        if scattered:
-                            res = await self.tier.put_rows(group, sub, data, at)
-                        else:
-                            res = await self.tier.put(group, sub, data)
+                        res = await (self.tier.put_rows(group, sub, data, at) if scattered
+                                     else self.tier.put(group, sub, data))
                     finally:
                         with self._lock:
                             self.stats.inflight_ops -= 1
@@ -489,26 +505,18 @@ class TierGateway:
                           rows_in: Sequence[int], dest: torch.Tensor, block: int, on_row: OnRow | None,
                           scattered: bool) -> list[bool]:
         keys, rows = [keys_in[i] for i in plan.positions], [rows_in[i] for i in plan.positions]
-        direct = scattered or (plan.run is not None and dest.device.type == "cpu")
-        if scattered:
-            buf = as_bytes(dest, dest.shape[0], block)
-        elif direct and plan.run is not None:
-            buf = row_span(as_bytes(dest, dest.shape[0], block), plan.run[0], plan.run[1])
-        else:
-            buf = torch.empty((len(keys), block), dtype=torch.uint8)
+        buf, direct = _batch_buffer(dest, block, plan, scattered)
         t0 = time.monotonic()
         with self._lock:
             if self._loads_running == 0:
-                self._busy_since = t0
+                self._rate.busy_since = t0
             self._loads_running += 1
         try:
             landed = None if on_row is None else functools.partial(
                 _landed, on_row, plan.positions, buf, rows if scattered else None)
             async with self._read_limiter:
-                if scattered:
-                    found = list(await self.tier.get_rows(group, keys, buf, rows, landed))
-                else:
-                    found = list(await self.tier.get(group, keys, buf, landed))
+                found = list(await (self.tier.get_rows(group, keys, buf, rows, landed) if scattered
+                                    else self.tier.get(group, keys, buf, landed)))
             with self._lock:
                 self.health.read(any(found))
         except Exception as exc:
@@ -531,28 +539,17 @@ class TierGateway:
             self.stats.hits += len(good)
             self.stats.misses += len(keys) - len(good)
             self.stats.bytes_read += len(good) * block
-            self._sample_read_rate(len(good) * block, now)
+            self._rate.landed(len(good) * block, now)
         return found
 
-    def _sample_read_rate(self, nbytes: int, now: float) -> None:
-        """Aggregate read rate while loads are in flight: bytes landed over busy time."""
-        busy = now - self._busy_since
-        self._busy_since = now
-        if nbytes <= 0 or busy <= 0:
-            return
-        self.read_bytes_per_s = self._rate.add(nbytes / busy)
-        self._read_samples += 1
-        self._last_read_sample = now
+    @property
+    def read_bytes_per_s(self) -> float:
+        """The tier's measured read rate (bytes/s; the configured prior until loads measure it)."""
+        return self._rate.value
 
     def planning_rate(self, now: float) -> float:
-        """The read rate the cost model plans with: the estimate, or, when it has fallen below the
-        configured prior and no load has measured it for :data:`REPROBE_S`, the prior again, so the
-        next restore loads and measures (a tier the cost model stopped using would otherwise never
-        be measured again: one slow moment would switch restores off for good)."""
-        prior = float(self.cfg.read_bytes_per_s)
-        if self.read_bytes_per_s < prior and now - self._last_read_sample >= REPROBE_S:
-            return prior
-        return max(self.read_bytes_per_s, 1.0)
+        """The read rate the cost model plans with (:meth:`RateEstimate.planning`)."""
+        return self._rate.planning(now)
 
     # ---- probes ---------------------------------------------------------------------------------
     async def probe(self, group: int, keys: list[bytes]) -> None:
@@ -599,6 +596,17 @@ class TierGateway:
         s.down_reason = self.health.down_reason
         return s
 
+
+
+def _batch_buffer(dest: torch.Tensor, block: int, plan: RowPlan,
+                  scattered: bool) -> tuple[torch.Tensor, bool]:
+    """Where a load batch is read to, and whether that is ``dest`` itself: the whole of it for a
+    tier that reads into scattered rows, the run's rows of a CPU ``dest``, else a staging buffer."""
+    if scattered:
+        return as_bytes(dest, dest.shape[0], block), True
+    if plan.run is not None and dest.device.type == "cpu":
+        return row_span(as_bytes(dest, dest.shape[0], block), plan.run[0], plan.run[1]), True
+    return torch.empty((len(plan.positions), block), dtype=torch.uint8), False
 
 
 def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) -> torch.Tensor:

@@ -292,11 +292,9 @@ class FsspecTier(Tier):
             # sorting a large listing is seconds of CPU: off the event loop
             listing = await anyio.to_thread.run_sync(classify, self.root, entries)
             now = time.time()
-            stale = []
-            for e, rel, _ in listing.temps:
-                alive = temp_owner_alive(rel.rpartition("/")[2])
-                if alive is False or now - e.mtime > self.cfg.stale_temp_s:
-                    stale.append(e.path)
+            old = now - self.cfg.stale_temp_s
+            stale = [e.path for e, rel, _ in listing.temps
+                     if temp_owner_alive(rel.rpartition("/")[2]) is False or e.mtime < old]
             if stale:
                 await self.driver.delete_many(stale)
                 self.count("temp_removed", len(stale))
@@ -333,22 +331,20 @@ class FsspecTier(Tier):
     # ---- Tier API -------------------------------------------------------------------------------
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
         """Encode each block into a record and publish it atomically; per key, whether it is stored."""
-        try:
-            rows = blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy()
-            return await self._put(keys, rows, rows.nbytes)
-        except Exception as exc:
-            raise self._error("storing records", exc) from None
+        return await self._put(keys, lambda: blocks.view(torch.uint8).reshape(len(keys), -1).cpu().numpy())
 
     async def put_rows(self, group: int, keys: Sequence[bytes], src: torch.Tensor,
                        rows: Sequence[int]) -> list[bool]:
         """:meth:`put` of ``src[rows[i]]``: each record encoded from its row where it lies."""
+        return await self._put(keys, lambda: _views(src, rows))
+
+    async def _put(self, keys: Sequence[bytes], rows_of: Callable[[], Any]) -> list[bool]:
         try:
-            whole = src.numpy()
-            return await self._put(keys, [whole[r] for r in rows], len(keys) * whole.shape[1])
+            return await self._write(keys, rows_of())
         except Exception as exc:
             raise self._error("storing records", exc) from None
 
-    async def _put(self, keys: Sequence[bytes], rows: Any, nbytes: int) -> list[bool]:
+    async def _write(self, keys: Sequence[bytes], rows: Any) -> list[bool]:
         cfg = self.cfg
         fp = self.context.fingerprint
         cap = cfg.capacity_bytes
@@ -362,7 +358,7 @@ class FsspecTier(Tier):
                 return None  # a record larger than the whole tier is never written
             return parts
 
-        results = await self.driver.write_records(paths, encode, nbytes)
+        results = await self.driver.write_records(paths, encode, sum(r.nbytes for r in rows))
         now = time.time()
         ok = [False] * len(keys)
         too_large = 0
@@ -397,12 +393,7 @@ class FsspecTier(Tier):
     async def get_rows(self, group: int, keys: Sequence[bytes], dest: torch.Tensor, rows: Sequence[int],
                        landed: RowLanded | None = None) -> list[bool]:
         """:meth:`get` into ``dest[rows[i]]``: each record read straight into its row."""
-
-        def views() -> list[Any]:
-            whole = dest.numpy()
-            return [whole[r] for r in rows]
-
-        return await self._get(keys, views, dest.shape[1], landed)
+        return await self._get(keys, lambda: _views(dest, rows), dest.shape[1], landed)
 
     async def _get(self, keys: Sequence[bytes], rows: Callable[[], Any], block_bytes: int,
                    landed: RowLanded | None) -> list[bool]:
@@ -509,6 +500,12 @@ class FsspecTier(Tier):
         if self._driver is not None:
             self.counters.update(self._driver.counts())
         return self._ledger.used
+
+
+def _views(t: torch.Tensor, rows: Sequence[int]) -> list[Any]:
+    """Rows ``rows`` of a ``[n, block_bytes]`` CPU byte tensor, as numpy views (no copy)."""
+    whole = t.numpy()
+    return [whole[r] for r in rows]
 
 
 def _read_one(keys: Sequence[bytes], rows: Any, heads: Heads, fp: str, ring: KeyRing | None,
