@@ -191,6 +191,46 @@ def records(root: Path) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["store", "load", "probe"])
+def test_the_schedulers_calls_return_at_once_while_the_loop_is_busy(
+        make: Callable[..., Setup], kind: str) -> None:
+    """submit_store, submit_load and the step that sends probes hand their work to tierkv's loop
+    and go on: the scheduler thread never waits for the loop to take it (it waited about a
+    millisecond a job in the peers bench, and as long as the loop's longest step)."""
+    s = make()
+    keys = make_keys(4, seed=5)
+    data = dict(zip(keys, kv_rows(4, s.row, seed=5), strict=True))
+    if kind == "load":
+        s.store(data)
+    tier = s.tier
+    busy = threading.Event()
+
+    async def hog() -> None:  # the loop's thread busy for a while, as with a long CPU step
+        busy.set()
+        time.sleep(0.8)
+
+    c = s.ctx()
+    job = TransferJob(job_id=20_100, keys=keys, chunk_ids=np.array([4, 9, 2, 7]), is_promotion=kind == "load",
+                      req_context=c)
+    tier._loop.submit(hog)
+    assert busy.wait(5)
+    t0 = time.monotonic()
+    if kind == "store":
+        tier.submit_store(job)
+    elif kind == "load":
+        tier.submit_load(job)
+    else:
+        assert tier.lookup(make_keys(1, seed=77)[0], c) is LookupResult.RETRY
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    took = time.monotonic() - t0
+    assert took < 0.3, f"the scheduler's call waited {took:.2f} s for the loop"
+    tier.drain_jobs()
+    if kind != "probe":
+        (res,) = list(tier.get_finished_jobs())
+        assert res.job_id == 20_100 and res.success
+    s.mgr.on_request_finished(c)
+
+
+@pytest.mark.parametrize("kind", ["store", "load", "probe"])
 def test_handing_work_to_the_loop_never_deadlocks_with_a_task_that_takes_the_lock(
         make: Callable[..., Setup], kind: str) -> None:
     """The loop's tasks take the tier's lock (a finishing job updates presence): a scheduler call

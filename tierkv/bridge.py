@@ -8,7 +8,8 @@ Two pieces, used by the store and by every engine adapter:
   events across threads and counts background work. Its task group lives in a host task of its
   own, so the object may be closed from any task or cancel scope (inside a timeout, say).
 - :class:`LoopThread` runs an event loop in a daemon thread for callers that have none (engine
-  adapters): ``call`` runs a coroutine function there and waits, ``submit`` does not wait.
+  adapters): ``call`` runs a coroutine function there and waits for its result, ``submit``
+  waits only until its task exists, ``spawn`` does not wait for the loop's thread at all.
 
 :func:`locked` runs a synchronous method under ``self._lock``; it is generic, so modules below the
 store can use it without importing the store.
@@ -193,6 +194,13 @@ class LoopThread:
             anyio.from_thread.start_blocking_portal("asyncio"))
         self._portal: anyio.from_thread.BlockingPortal | None = self._cm.__enter__()
         self._entered: list[AbstractContextManager[Any]] = []
+        self._bridge = LoopBridge("tierkv loop thread")
+        try:
+            self._portal.call(self._bridge.start)
+        except BaseException:
+            self._portal = None
+            self._cm.__exit__(None, None, None)
+            raise
 
     @property
     def portal(self) -> anyio.from_thread.BlockingPortal:
@@ -210,8 +218,23 @@ class LoopThread:
         return self.portal.call(fn, *args)
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        """Start ``fn(*args)`` on the loop; its future."""
+        """Start ``fn(*args)`` on the loop; its future (cancelling it cancels the task). Waits until
+        the loop's thread has created the task."""
         return self.portal.start_task_soon(fn, *args)
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Start ``fn(*args)`` on the loop without waiting for the loop's thread: an engine's
+        scheduler hands work over and goes on, however busy the loop is. Its outcome is for
+        ``fn`` to report; :meth:`cancel_spawned` and :meth:`stop` cancel it. Raises
+        :class:`~tierkv.errors.StoreClosed` once those have run."""
+        if self._portal is None:
+            raise StoreClosed("the loop thread has stopped")
+        self._bridge.spawn(fn, *args)
+
+    def cancel_spawned(self) -> None:
+        """Cancel everything :meth:`spawn` started and wait until it has ended; later spawns raise."""
+        if self._portal is not None:
+            self._portal.call(self._bridge.stop)
 
     def enter(self, cm: AbstractAsyncContextManager[T]) -> T:
         """Enter an async context manager on the loop; it is exited by :meth:`stop`, last first."""
@@ -236,6 +259,10 @@ class LoopThread:
         if self._portal is None:
             return
         try:
+            try:
+                self.cancel_spawned()
+            except Exception:
+                log.debug("cancelling the loop thread's tasks failed", exc_info=True)
             while self._entered:
                 cm = self._entered.pop()
                 try:

@@ -79,7 +79,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -280,7 +280,6 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
         self._storing: set[bytes] = set()
         self._probe_batch: list[bytes] = []
-        self._probe_futures: set[concurrent.futures.Future[None]] = set()
         self._deltas = CounterDeltas()
         self._closed = False
 
@@ -433,13 +432,10 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
             self._closed = True
         try:
             self.drain_jobs()
-            for f in list(self._probe_futures):
-                f.cancel()
+            self._loop.cancel_spawned()  # probes in flight (the jobs have ended)
             if self._background is not None:
                 self._background.cancel()
-            futures = [f for f in [self._background, *self._probe_futures] if f is not None]
-            if futures:
-                concurrent.futures.wait(futures, timeout=30)
+                concurrent.futures.wait([self._background], timeout=30)
             try:
                 self._loop.call(self._tier.close)
             except Exception as exc:
@@ -498,18 +494,15 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         for group, pos in _by_group(batch).items():
             keys = [batch[i] for i in pos]
             try:
-                fut = self._loop.submit(self._gw.probe, group, keys)
+                self._loop.spawn(self._gw.probe, group, keys)
             except (StoreClosed, RuntimeError):  # the loop has stopped
                 with self._lock:
                     self._gw.probing.difference_update(keys)
-                continue
-            self._probe_futures.add(fut)
-            fut.add_done_callback(self._probe_futures.discard)
 
-    def _start(self, job_id: int, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    def _start(self, job_id: int, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         """Run job ``job_id`` (its placeholder in ``_inflight`` set) on the loop; it ends in ``_finish``."""
         try:
-            self._loop.submit(fn, job_id, *args)
+            self._loop.spawn(fn, job_id, *args)
         except (StoreClosed, RuntimeError):  # the loop has stopped
             self._finish(job_id, JobResult(job_id=job_id, success=False))
 
