@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 import pytest
@@ -38,9 +40,8 @@ def test_spawn_returns_at_once_while_the_loop_is_busy_and_the_work_runs_after() 
         lt.stop()
 
 
-def test_cancel_spawned_ends_running_work_and_later_spawns_are_refused() -> None:
-    lt = LoopThread()
-    started, ended = threading.Event(), threading.Event()
+def endless(started: threading.Event, ended: threading.Event) -> Callable[[], Coroutine[Any, Any, None]]:
+    """Work that runs until cancelled, saying when it started and when it ended."""
 
     async def forever() -> None:
         started.set()
@@ -49,6 +50,13 @@ def test_cancel_spawned_ends_running_work_and_later_spawns_are_refused() -> None
         finally:
             ended.set()
 
+    return forever
+
+
+def test_cancel_spawned_ends_running_work_and_later_spawns_are_refused() -> None:
+    lt = LoopThread()
+    started, ended = threading.Event(), threading.Event()
+    forever = endless(started, ended)
     try:
         lt.spawn(forever)
         assert started.wait(5)
@@ -66,15 +74,7 @@ def test_cancel_spawned_ends_running_work_and_later_spawns_are_refused() -> None
 def test_stop_cancels_what_spawn_started() -> None:
     lt = LoopThread()
     started, ended = threading.Event(), threading.Event()
-
-    async def forever() -> None:
-        started.set()
-        try:
-            await anyio.sleep(3600)
-        finally:
-            ended.set()
-
-    lt.spawn(forever)
+    lt.spawn(endless(started, ended))
     assert started.wait(5)
     lt.stop()
     assert ended.is_set()
