@@ -134,6 +134,8 @@ import benchmain  # first: Ctrl-C while the imports below load ends quietly
 
 import argparse
 import asyncio
+import atexit
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -973,6 +975,14 @@ class DeviceSystem(System):
         raise NotImplementedError("the device has no guarantees to check")
 
 
+def clean_up(systems: dict[str, System], workroot: str) -> None:
+    """Stop every child process and remove the run's scratch directory (an exit handler)."""
+    for s in systems.values():
+        with contextlib.suppress(Exception):
+            s.kill()
+    shutil.rmtree(workroot, ignore_errors=True)
+
+
 def _patched(system: TierkvSystem, args: argparse.Namespace) -> TierkvSystem:
     system.patched = bool(args.patch_tierkv_submit)
     return system
@@ -1191,6 +1201,9 @@ def main() -> int:
         why = s.unavailable()
         status[n], detail[n] = ("not installed", why) if why else ("ok", "")
     workroot = tempfile.mkdtemp(prefix="tkpeers-", dir=args.dir)
+    # however the run ends (Ctrl-C too: benchmain.run leaves through SystemExit), the children stop
+    # and the scratch directory goes: it holds the blocks' pools and a phase's records, up to GBs
+    atexit.register(clean_up, systems, workroot)
     t_start = time.perf_counter()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = run_stamp(REPO)

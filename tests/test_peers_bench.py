@@ -270,3 +270,32 @@ def test_a_bad_flag_is_one_usage_line_not_a_traceback(flags: list[str]) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("peers.py: error: " + flags[0])
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_middle_of_a_run_leaves_no_scratch_directory(tmp_path: Path) -> None:
+    """The run's scratch directory holds the blocks' pools and a phase's records (GBs in a full
+    run): an interrupted run removed nothing and left it in /tmp, one more each time."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--systems", "tierkv,tierkv-api", "--sizes", "256K",
+                             "--mb-per-size", "64", "--repeats", "3", "--no-guarantees",
+                             "--dir", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.is_dir() and any(p.iterdir()) for p in tmp_path.glob("tkpeers-*")):
+            assert proc.poll() is None, "the run ended before it wrote anything"
+            assert time.monotonic() < deadline, "no scratch directory within 120 s"
+            time.sleep(0.2)
+        time.sleep(1.0)  # well inside the phases
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    assert "peers: interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert not list(tmp_path.glob("tkpeers-*")), "the scratch directory was left behind"
