@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from helpers import ctrl_c
 
 from tierkv.cli import main
 
@@ -61,3 +65,36 @@ def test_the_tools_run_where_pytest_is_not_installed() -> None:
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra", [[], ["--nodes", "3"]], ids=["writer-process", "nodes"])
+def test_ctrl_c_while_writer_processes_run_leaves_no_directory_and_no_process(
+        extra: list[str], tmp_path: Path) -> None:
+    """`tierkv simulate` writes its documents in child processes into a temporary directory: a
+    Ctrl-C (to the command alone, as a supervisor sends it) left the directory, and the writers
+    wrote on into it (the command exited at once, or after its grace period)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "simulate", "--documents", "64",
+                             "--blocks", "64", "--block-bytes", "65536", *extra], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith("tierkv-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no temporary directory appeared"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the writers are at work
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert kids, "no writer process to stop"
+    err = ctrl_c(proc)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "tierkv: error: interrupted" and "Traceback" not in err
+    time.sleep(0.5)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tierkv-")]
+    alive = []
+    for pid in kids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass  # gone
+    assert not alive, "a writer process outlived the command"

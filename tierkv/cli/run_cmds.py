@@ -11,6 +11,7 @@ from tierkv.cli.common import (
     Formatter,
     console,
     error,
+    interrupts_raise,
     kv_pairs,
     positive_int,
     print_table,
@@ -172,6 +173,7 @@ def _nodes(args: argparse.Namespace) -> int:
 
     from tierkv.tools.nodes import run_nodes
 
+    interrupts_raise()  # Ctrl-C unwinds: the node processes are stopped and the directory removed
     with tempfile.TemporaryDirectory(prefix="tierkv-nodes-") as tmp:
         res = run_nodes(nodes=args.nodes, url=args.url or f"file://{tmp}", documents=args.documents,
                         blocks=args.blocks, block_bytes=args.block_bytes, capacity_bytes=args.capacity_bytes,

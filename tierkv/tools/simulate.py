@@ -28,6 +28,8 @@ from tierkv.tools.demo import block_for, chain_hashes
 __all__ = ["RequestResult", "Scenario", "SimulationResult", "run_scenario", "write_documents"]
 
 GroupKindName = Literal["full", "sliding_window", "recurrent"]
+#: how long the writer process may take
+WRITER_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -135,12 +137,21 @@ async def write_documents(sc: Scenario) -> None:
             raise RuntimeError(f"the writer could not store {failed} blocks")
 
 
-def _write_in_subprocess(sc: Scenario) -> None:
-    params = json.dumps(asdict(sc))
-    proc = subprocess.run([sys.executable, "-m", "tierkv.tools.simulate", "--write", params],
-                          capture_output=True, text=True, timeout=600)
+async def _write_in_subprocess(sc: Scenario) -> None:
+    """Write the documents in a process of their own. Cancelled (Ctrl-C), the process is killed
+    and waited for before the scenario's directory is removed: an interrupt that only cancelled
+    the wait left it writing into a directory that was being removed."""
+    cmd = [sys.executable, "-m", "tierkv.tools.simulate", "--write", json.dumps(asdict(sc))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = await anyio.to_thread.run_sync(proc.communicate, None, WRITER_TIMEOUT_S,
+                                                abandon_on_cancel=True)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     if proc.returncode != 0:
-        raise child_failure("the writer process failed", proc.stderr, proc.returncode)
+        raise child_failure("the writer process failed", err, proc.returncode)
 
 
 async def _restore(store: TieredStore, sc: Scenario, r: RequestResult, hs: list[bytes], k: int) -> None:
@@ -167,7 +178,7 @@ async def run_scenario(sc: Scenario) -> SimulationResult:
         sc.url = f"file://{tmp.name}"
     try:
         if sc.writer_subprocess:
-            await anyio.to_thread.run_sync(_write_in_subprocess, sc)
+            await _write_in_subprocess(sc)
         else:
             await write_documents(sc)
         results = [RequestResult(request=i, document=i % sc.documents,
