@@ -44,8 +44,6 @@ from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, Tier
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
 from tierkv.backends.fsspec._io import (
-    PAUSE_MAX_S,
-    PAUSE_STEP_S,
     Driver,
     RecordSource,
     temp_owner_alive,
@@ -54,6 +52,7 @@ from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, o
 from tierkv.backends.fsspec._outcomes import Failed, Found, RecordRead, Skipped, Written
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
+from tierkv.backends.fsspec._rescans import Rescans
 from tierkv.backends.fsspec._verdicts import Refusals, sort_reads
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
@@ -113,10 +112,8 @@ class FsspecTier(Tier):
         #: the records known (listed, written, read), least recently used first
         self._ledger = Ledger(config.capacity_bytes, config.touch_after_s, config.rescan_fraction)
         self._evicting = False
-        self._scan_done = anyio.Event()
-        self._list_now = anyio.Event()
-        #: ``get`` calls in flight: the background listing gives way to them
-        self._reading = 0
+        bounded = config.capacity_bytes is not None and config.rescan_s > 0
+        self._rescans = Rescans(config.scan_on_open, config.rescan_s if bounded else None)
         #: the encryption keys (``encryption_key_file``), loaded at open
         self._ring: KeyRing | None = None
         #: records this store may not serve (another key's, or plaintext with read_unencrypted off)
@@ -227,28 +224,7 @@ class FsspecTier(Tier):
         """Rebuild capacity accounting and remove stale temporary files (the store runs this); with
         ``capacity_bytes``, list the namespace again every ``rescan_s`` (sooner after this process
         wrote ``rescan_fraction`` of the capacity), so processes sharing the tier bound it together."""
-        if self.cfg.scan_on_open:
-            await self._quiet()
-            await self.scan()
-        self._scan_done.set()
-        if self.cfg.capacity_bytes is None or self.cfg.rescan_s <= 0:
-            return
-        while True:
-            with anyio.move_on_after(self.cfg.rescan_s):
-                await self._list_now.wait()
-            self._list_now = anyio.Event()
-            await self._quiet()
-            await self.scan()
-
-    def _busy(self) -> bool:
-        return self._reading > 0
-
-    async def _quiet(self) -> None:
-        """Wait (at most ``PAUSE_MAX_S``) until no read is in flight: a listing is CPU work that
-        would slow a restore in progress, and it can wait."""
-        with anyio.move_on_after(PAUSE_MAX_S):
-            while self._busy():
-                await anyio.sleep(PAUSE_STEP_S)
+        await self._rescans.run(self.scan)
 
     async def check(self) -> None:
         """Read the namespace manifest: raises when the file system does not answer."""
@@ -276,7 +252,7 @@ class FsspecTier(Tier):
 
     async def wait_scanned(self) -> None:
         """Wait until :meth:`background` has rebuilt capacity accounting (it must be running)."""
-        await self._scan_done.wait()
+        await self._rescans.done.wait()
 
     async def scan(self) -> None:
         """List the namespace: account for the records there (those of every process sharing the
@@ -288,7 +264,7 @@ class FsspecTier(Tier):
         """
         try:
             started, written = time.time(), self._ledger.written
-            entries = await self.driver.listdir(self.ns_root, pause=self._busy)
+            entries = await self.driver.listdir(self.ns_root, pause=self._rescans.busy)
             # sorting a large listing is seconds of CPU: off the event loop
             listing = await anyio.to_thread.run_sync(classify, self.root, entries)
             now = time.time()
@@ -310,7 +286,7 @@ class FsspecTier(Tier):
             self._warn("scanning the namespace", exc)
             self.count("scan_errors")
         finally:
-            self._scan_done.set()
+            self._rescans.done.set()
 
     async def _evict(self) -> None:
         if self._evicting:
@@ -380,7 +356,7 @@ class FsspecTier(Tier):
             self.count("too_large", too_large)
         self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
         if self._ledger.wants_listing():
-            self._list_now.set()
+            self._rescans.soon()
         await self._evict()
         return ok
 
@@ -397,13 +373,13 @@ class FsspecTier(Tier):
 
     async def _get(self, keys: Sequence[bytes], rows: Callable[[], Any], block_bytes: int,
                    landed: RowLanded | None) -> list[bool]:
-        self._reading += 1
+        self._rescans.reading += 1
         try:
             return await self._read(keys, rows(), block_bytes, landed)
         except Exception as exc:
             raise self._error("reading records", exc) from None
         finally:
-            self._reading -= 1
+            self._rescans.reading -= 1
 
     async def _read(self, keys: Sequence[bytes], np_out: Any, block_bytes: int,
                     landed: RowLanded | None) -> list[bool]:
