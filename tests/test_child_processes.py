@@ -29,8 +29,8 @@ def run(mode: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_child_that_did_its_work_exits_0_even_if_teardown_would_crash() -> None:
-    # processes that used obstore 0.12 ended with SIGABRT after their work (3 of 30), and the
-    # parent took a finished writer for a failed one
+    # a native library's thread still inside Python code at teardown aborts the process (obstore's
+    # did: tests/test_foreign_futures.py), and the parent took a finished writer for a failed one
     done = run("ok")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "written\n"  # its output is flushed first

@@ -58,9 +58,10 @@ def run_child(main: Callable[[], object]) -> None:
     """Run a child process's ``main``: a tierkv or OS error ends it with one line and exit 2.
 
     Once ``main`` is done the process ends at once (``os._exit`` after flushing its output),
-    without the interpreter's teardown: a native library may crash there (processes that used
-    obstore 0.12 ended with SIGABRT after their work, 3 of 30), and the parent would take a child
-    that did all it was asked for as failed.
+    without the interpreter's teardown: a native library's threads may still be inside Python
+    code there, which aborts the process (obstore's did, until its driver's ``close`` waited for
+    them: :mod:`tierkv.backends.fsspec._foreign`), and the parent would take a child that did all
+    it was asked for as failed.
     """
     try:
         main()

@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from tierkv.backends.fsspec._foreign import ForeignFutures
 from tierkv.backends.fsspec._io import Entry, temp_name
 from tierkv.backends.fsspec._remote import RequestDriver, RetryPolicy
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
@@ -47,9 +48,6 @@ __all__ = ["CLIENTS", "ENV_CLIENT", "MULTIPART_BYTES", "ObstoreDriver", "obstore
 log = logging.getLogger("tierkv.fsspec")
 
 #: values of the ``s3_client`` setting
-# ``auto`` means s3fs where s3fs is installed: processes that used obstore 0.12 sometimes ended
-# with SIGABRT and no message after their work was done (3 of 30 short writer processes on moto,
-# 2026-12-05), so obstore serves only when asked for (``s3_client: obstore``)
 CLIENTS = ("auto", "obstore", "s3fs")
 
 #: under ``s3_client: auto``, this environment variable may name the client (``obstore``, ``s3fs``)
@@ -170,8 +168,8 @@ def open_obstore(bucket: str, options: dict[str, Any], limiter: anyio.CapacityLi
         choice = os.environ.get(ENV_CLIENT, "").strip().lower() or "auto"
         if choice not in CLIENTS:
             raise ConfigError(f"{ENV_CLIENT}={choice!r}: must be one of {', '.join(CLIENTS)}")
-    if choice == "s3fs" or (choice == "auto" and not s3fs_missing):
-        return None  # auto: s3fs where it is installed (the note on CLIENTS)
+    if choice == "s3fs":
+        return None
     required = choice == "obstore"
     obs = obstore_module()
     if obs is None:
@@ -256,6 +254,7 @@ class ObstoreDriver(RequestDriver):
         self.obs = obs
         self.store = store
         self.bucket = bucket
+        self._futures = ForeignFutures()
 
     def _key(self, path: str) -> str:
         bucket, _, key = path.strip("/").partition("/")
@@ -265,7 +264,7 @@ class ObstoreDriver(RequestDriver):
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
         try:
-            return await fn(self.store, *args, **kwargs)
+            return await self._futures.wait(fn(self.store, *args, **kwargs))
         except Exception as exc:
             err = translate(exc)
             if err is exc:
@@ -288,7 +287,7 @@ class ObstoreDriver(RequestDriver):
                 if exc.errno != errno.EINVAL or "416" not in str(exc):
                     raise
                 got = await self._call(self.obs.get_async, key)
-                data = await got.bytes_async()
+                data = await self._futures.wait(got.bytes_async())
                 if len(data) > limit + 1:
                     raise
                 return data
@@ -337,7 +336,12 @@ class ObstoreDriver(RequestDriver):
         async def find() -> list[Entry]:
             out: list[Entry] = []
             try:
-                async for chunk in self.obs.list(self.store, prefix or None, chunk_size=1000):
+                stream = self.obs.list(self.store, prefix or None, chunk_size=1000)
+                while True:
+                    try:
+                        chunk = await self._futures.wait(stream.__anext__())
+                    except StopAsyncIteration:
+                        break
                     out.extend(Entry(f"{self.bucket}/{m['path']}", int(m["size"]),
                                      m["last_modified"].timestamp()) for m in chunk)
             except Exception as exc:
@@ -352,3 +356,13 @@ class ObstoreDriver(RequestDriver):
         except FileNotFoundError:
             return []
         return found
+
+    def abandon(self) -> None:
+        """See :meth:`Driver.abandon`: :meth:`close` no longer waits for the requests in flight."""
+        self._futures.abandon()
+
+    async def close(self) -> None:
+        """Wait for the requests in flight to end and obstore's threads to leave Python code (see
+        :mod:`~tierkv.backends.fsspec._foreign`: a process that exits while one of them is there
+        aborts)."""
+        await self._futures.settle()

@@ -1,0 +1,80 @@
+"""Futures that another runtime's threads complete, and a process exit that must not race them.
+
+obstore's requests run on tokio threads; when one ends, its thread takes the GIL and calls the
+event loop's ``call_soon_threadsafe``, which writes a byte to the loop's wake-up socket with the
+GIL released. Before Python 3.14, a thread that asks for the GIL back once the interpreter is
+finalizing is ended with ``pthread_exit``, which aborts a Rust thread: the process dies with
+SIGABRT and no message. It happened to processes whose last request ended just before they
+exited (4 of 30 short writers, core dumps: the tokio thread in ``take_gil`` under ``sock_send``
+under ``call_soon_threadsafe``, the main thread in ``Py_FinalizeEx``).
+
+:class:`ForeignFutures` tracks every such future; cancelling a caller leaves its request running
+(``asyncio.shield``) so that each one ends with its result set, which the driver can wait for.
+:meth:`ForeignFutures.settle`, on close, waits for the requests still running, then until no
+thread that Python did not start is inside Python code (the tail of ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import anyio
+
+__all__ = ["ForeignFutures", "foreign_threads_in_python"]
+
+#: how long :meth:`ForeignFutures.settle` waits for other runtimes' threads to leave Python code
+SETTLE_S = 1.0
+
+
+def foreign_threads_in_python() -> int:
+    """How many threads that Python did not start (tokio's, ...) are inside Python code now."""
+    known = {t.ident for t in threading.enumerate()}
+    return sum(1 for ident in sys._current_frames() if ident not in known)
+
+
+class ForeignFutures:
+    """The asyncio futures of one client whose requests other threads complete."""
+
+    def __init__(self) -> None:
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._abandoned = False
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    async def wait(self, request: Awaitable[Any]) -> Any:
+        """The result of ``request`` (a future from the other runtime); a cancelled caller leaves
+        the request running to its end (the client's own timeout bounds it)."""
+        fut = asyncio.ensure_future(request)
+        if not fut.done():
+            self._pending.add(fut)
+            fut.add_done_callback(self._ended)
+        return await asyncio.shield(fut)
+
+    def _ended(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a caller that was cancelled no longer waits for it
+
+    def abandon(self) -> None:
+        """From now on :meth:`settle` does not wait for the requests still running."""
+        self._abandoned = True
+
+    async def settle(self) -> None:
+        """Wait for the requests still running (unless abandoned: then they are cancelled), then
+        (at most :data:`SETTLE_S`) until no foreign thread is inside Python code."""
+        try:
+            if self._pending and not self._abandoned:
+                await asyncio.wait(list(self._pending))
+        finally:
+            for fut in self._pending:
+                fut.cancel()
+            self._pending.clear()
+        end = time.monotonic() + SETTLE_S
+        while foreign_threads_in_python() and time.monotonic() < end:
+            await anyio.sleep(0.002)
