@@ -181,19 +181,26 @@ def test_options_obstore_cannot_take_are_named(opts: dict[str, Any], environ: di
     assert named in why_not
 
 
-def test_auto_is_s3fs_and_obstore_serves_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``s3_client: auto`` keeps s3fs where it is installed (obstore 0.12 processes sometimes ended
-    with SIGABRT at exit); ``s3_client: obstore`` or ``TIERKV_S3_CLIENT=obstore`` picks obstore."""
+def test_auto_is_obstore_and_falls_back_to_s3fs_saying_why_once(monkeypatch: pytest.MonkeyPatch,
+                                                                logs: Any) -> None:
+    """``s3_client: auto`` picks obstore where it takes every storage option, else s3fs (one log
+    line says why); ``s3_client: s3fs`` or ``TIERKV_S3_CLIENT=s3fs`` picks s3fs."""
     monkeypatch.delenv(ENV_CLIENT, raising=False)
     opts = {"endpoint_url": "http://127.0.0.1:1", "key": "K", "secret": "S"}
     limiter = anyio.CapacityLimiter(1)
     driver, root = open_driver("s3://b/kv", opts, limiter, None, False)
-    assert driver.client == "s3fs" and root == "b/kv"
-    driver, _ = open_driver("s3://b/kv", opts, limiter, None, False, s3_client="obstore")
-    assert driver.client == "obstore"
-    monkeypatch.setenv(ENV_CLIENT, "obstore")
+    assert driver.client == "obstore" and root == "b/kv"
+    unmapped = {**opts, "s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}
+    for _ in range(2):
+        driver, root = open_driver("s3://fallback-bucket/kv", unmapped, limiter, None, False)
+        assert driver.client == "s3fs" and root == "fallback-bucket/kv"
+    said = [line for line in logs.lines if "s3_additional_kwargs" in line]
+    assert len(said) == 1 and "uses s3fs" in said[0] and "K" not in said[0].split("tierkv.fsspec")[1].split()
+    driver, _ = open_driver("s3://b/kv", opts, limiter, None, False, s3_client="s3fs")
+    assert driver.client == "s3fs"
+    monkeypatch.setenv(ENV_CLIENT, "s3fs")
     driver, _ = open_driver("s3://b/kv", opts, limiter, None, False)
-    assert driver.client == "obstore"
+    assert driver.client == "s3fs"
 
 
 def test_asking_for_obstore_where_it_cannot_serve_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

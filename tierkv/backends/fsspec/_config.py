@@ -75,8 +75,8 @@ class FsspecTierConfig(TierConfig):
     request_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     retry_attempts: PositiveInt = 4
     retry_budget_s: float = Field(default=10.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
-    #: ``s3://`` URLs: the client that sends the requests. ``auto``: s3fs where it is installed,
-    #: else obstore (Rust, outside the GIL) where it maps every storage option;
+    #: ``s3://`` URLs: the client that sends the requests. ``auto``: obstore (Rust, outside the
+    #: GIL) where it is installed and maps every storage option, else s3fs;
     #: the environment variable ``TIERKV_S3_CLIENT`` may pick instead. ``obstore``: obstore or an
     #: error at open. ``s3fs``: s3fs. Other URLs: fsspec's file system, whatever this says.
     s3_client: Literal["auto", "obstore", "s3fs"] = "auto"

@@ -153,8 +153,8 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     User info in an S3 URL (``s3://KEY:SECRET@bucket/path``) becomes the ``key`` / ``secret``
     storage options (explicit ``storage_options`` win); in a file URL it is ignored.
 
-    ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: s3fs where it is
-    installed, see :func:`~tierkv.backends.fsspec._obstore.open_obstore`).
+    ``s3://`` URLs go to obstore or s3fs as ``s3_client`` says (``auto``: obstore where it
+    is installed and takes every storage option, see :func:`~tierkv.backends.fsspec._obstore.open_obstore`).
     """
     parts = urlsplit(url)
     protocol = parts.scheme or "file"
