@@ -280,6 +280,9 @@ def test_a_forked_child_runs_batches_on_threads_of_its_own(io: ModuleType, tmp_p
 
 def test_an_interrupt_during_a_batch_leaves_whole_records_or_none(io: ModuleType, tmp_path: Path) -> None:
     recs = [data(256 * 1024, seed=i) for i in range(200)]
+    # Python's own Ctrl-C handler, whatever this process inherited (a job that a shell without job
+    # control starts in the background begins with SIGINT ignored, and Python then leaves it so)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGINT))
     interrupted = False
     timer.start()
@@ -290,6 +293,7 @@ def test_an_interrupt_during_a_batch_leaves_whole_records_or_none(io: ModuleType
         interrupted = True
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert interrupted
     assert temps(tmp_path) == []
     for i, r in enumerate(recs):

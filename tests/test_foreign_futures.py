@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import _thread
 import asyncio
-import gc
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import anyio
 import pytest
 from s3util import new_bucket, s3_endpoint, storage_options
 
+from tierkv.backends.fsspec import _foreign as foreign
 from tierkv.backends.fsspec._foreign import ForeignFutures, foreign_threads_in_python
 from tierkv.backends.fsspec._obstore import ENV_CLIENT, ObstoreDriver, obstore_module
 from tierkv.tools.simulate import Scenario
@@ -29,19 +29,16 @@ pytestmark = pytest.mark.anyio
 
 
 def _complete_from_a_foreign_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[str],
-                                    after_s: float, linger_s: float,
-                                    error: BaseException | None = None) -> threading.Event:
+                                    after_s: float, linger_s: float) -> threading.Event:
     """What a tokio thread does when its request ends: from a thread Python did not start
-    (``_thread``, not ``threading``), ``call_soon_threadsafe(set_result)``, then more Python code
-    for ``linger_s`` (the tail of ``call_soon_threadsafe`` with the GIL released)."""
+    (``_thread``, not ``threading``), ``call_soon_threadsafe`` of a callback that sets the result
+    unless the future was cancelled, then more Python code for ``linger_s`` (the tail of
+    ``call_soon_threadsafe`` with the GIL released)."""
     left = threading.Event()
 
     def run() -> None:
         time.sleep(after_s)
-        if error is None:
-            loop.call_soon_threadsafe(fut.set_result, "done")
-        else:
-            loop.call_soon_threadsafe(fut.set_exception, error)
+        loop.call_soon_threadsafe(lambda: fut.cancelled() or fut.set_result("done"))
         end = time.monotonic() + linger_s
         while time.monotonic() < end:
             time.sleep(0.005)
@@ -51,49 +48,58 @@ def _complete_from_a_foreign_thread(loop: asyncio.AbstractEventLoop, fut: asynci
     return left
 
 
-async def test_a_cancelled_caller_leaves_the_request_running_and_settle_waits_for_its_thread() -> None:
+async def test_settle_waits_for_the_requests_in_flight_and_for_their_threads_to_leave_python() -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[str] = loop.create_future()
     futures = ForeignFutures()
     left = _complete_from_a_foreign_thread(loop, fut, after_s=0.2, linger_s=0.2)
-    with anyio.move_on_after(0.05):
-        await futures.wait(fut)
-    assert not fut.cancelled() and len(futures) == 1  # the request goes on; its thread will set it
-    await futures.settle()
+    async with anyio.create_task_group() as tg:  # a request whose caller is still waiting
+        tg.start_soon(futures.wait, fut)
+        await anyio.sleep(0.01)
+        assert len(futures) == 1
+        await futures.settle()
     assert fut.result() == "done" and len(futures) == 0
     assert left.is_set() and foreign_threads_in_python() == 0
 
 
-async def test_a_request_that_fails_after_its_caller_was_cancelled_is_not_reported_unretrieved() -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, object]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
-    try:
-        fut: asyncio.Future[str] = loop.create_future()
-        futures = ForeignFutures()
-        _complete_from_a_foreign_thread(loop, fut, after_s=0.1, linger_s=0.0, error=TimeoutError("late"))
-        with anyio.move_on_after(0.02):
-            await futures.wait(fut)
+async def test_a_cancelled_caller_cancels_its_request_and_settle_leaves_its_thread_time() -> None:
+    fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    futures = ForeignFutures()
+    with anyio.move_on_after(0.01):  # a request's deadline
+        await futures.wait(fut)
+    assert fut.cancelled() and len(futures) == 0
+    t0 = time.monotonic()
+    await futures.settle()
+    assert time.monotonic() - t0 >= foreign.CANCELLED_S
+    t0 = time.monotonic()
+    await futures.settle()  # nothing cancelled since: no wait
+    assert time.monotonic() - t0 < foreign.CANCELLED_S
+
+
+async def test_settle_cancels_a_request_a_server_leaves_unanswered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(foreign, "WAIT_S", 0.2)
+    fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # never answered
+    futures = ForeignFutures()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(futures.wait, fut)
+        await anyio.sleep(0.01)
+        t0 = time.monotonic()
         await futures.settle()
-        assert fut.done() and not fut.cancelled()
-        del fut
-        gc.collect()
-        await anyio.sleep(0)
-    finally:
-        loop.set_exception_handler(old)
-    assert reported == []
+        assert fut.cancelled() and len(futures) == 0 and 0.2 <= time.monotonic() - t0 < 2
+        tg.cancel_scope.cancel()
 
 
 async def test_settle_after_abandon_cancels_what_is_still_running() -> None:
     fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     futures = ForeignFutures()
-    with anyio.move_on_after(0.01):
-        await futures.wait(fut)
-    futures.abandon()
-    with anyio.fail_after(5):
-        await futures.settle()
-    assert fut.cancelled() and len(futures) == 0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(futures.wait, fut)
+        await anyio.sleep(0.01)
+        futures.abandon()
+        with anyio.fail_after(1):
+            await futures.settle()
+        assert fut.cancelled() and len(futures) == 0
+        tg.cancel_scope.cancel()
 
 
 async def test_closing_the_obstore_driver_waits_for_its_requests_and_threads() -> None:
@@ -104,10 +110,11 @@ async def test_closing_the_obstore_driver_waits_for_its_requests_and_threads() -
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[str] = loop.create_future()
     left = _complete_from_a_foreign_thread(loop, fut, after_s=0.1, linger_s=0.3)
-    with anyio.move_on_after(0.02):
-        await driver._futures.wait(fut)
-    await driver.close()
-    assert fut.done() and left.is_set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(driver._futures.wait, fut)
+        await anyio.sleep(0.01)
+        await driver.close()
+        assert fut.done() and left.is_set()
     assert await driver.read_files(["b/kv/x"], 100) == [b"a record"]
 
 

@@ -8,10 +8,10 @@ SIGABRT and no message. It happened to processes whose last request ended just b
 exited (4 of 30 short writers, core dumps: the tokio thread in ``take_gil`` under ``sock_send``
 under ``call_soon_threadsafe``, the main thread in ``Py_FinalizeEx``).
 
-:class:`ForeignFutures` tracks every such future; cancelling a caller leaves its request running
-(``asyncio.shield``) so that each one ends with its result set, which the driver can wait for.
-:meth:`ForeignFutures.settle`, on close, waits for the requests still running, then until no
-thread that Python did not start is inside Python code (the tail of ``call_soon_threadsafe``).
+:class:`ForeignFutures` tracks every such future. :meth:`ForeignFutures.settle`, on close, waits
+for the requests still running (cancelling those a server leaves unanswered), leaves the threads
+of cancelled requests a moment to see it (each takes the GIL once more to look), then waits until
+no thread that Python did not start is inside Python code (the tail of ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ import anyio
 
 __all__ = ["ForeignFutures", "foreign_threads_in_python"]
 
-#: how long :meth:`ForeignFutures.settle` waits for other runtimes' threads to leave Python code
+#: how long :meth:`ForeignFutures.settle` waits for the requests in flight (a healthy server
+#: answers in milliseconds; one that does not would hold a closing store, or Ctrl-C, for the
+#: client's whole timeout)
+WAIT_S = 2.0
+#: how long it leaves the threads of cancelled requests to see the cancellation (each takes the
+#: GIL once more to look)
+CANCELLED_S = 0.05
+#: how long it waits for other runtimes' threads to leave Python code
 SETTLE_S = 1.0
 
 
@@ -42,39 +49,46 @@ class ForeignFutures:
 
     def __init__(self) -> None:
         self._pending: set[asyncio.Future[Any]] = set()
+        self._cancelled = False
         self._abandoned = False
 
     def __len__(self) -> int:
         return len(self._pending)
 
     async def wait(self, request: Awaitable[Any]) -> Any:
-        """The result of ``request`` (a future from the other runtime); a cancelled caller leaves
-        the request running to its end (the client's own timeout bounds it)."""
+        """The result of ``request`` (a future from the other runtime); cancelling the caller
+        cancels the request."""
         fut = asyncio.ensure_future(request)
         if not fut.done():
             self._pending.add(fut)
             fut.add_done_callback(self._ended)
-        return await asyncio.shield(fut)
+        return await fut
 
     def _ended(self, fut: asyncio.Future[Any]) -> None:
         self._pending.discard(fut)
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a caller that was cancelled no longer waits for it
+        if fut.cancelled():
+            self._cancelled = True
 
     def abandon(self) -> None:
         """From now on :meth:`settle` does not wait for the requests still running."""
         self._abandoned = True
 
     async def settle(self) -> None:
-        """Wait for the requests still running (unless abandoned: then they are cancelled), then
-        (at most :data:`SETTLE_S`) until no foreign thread is inside Python code."""
+        """Wait for the requests still running (at most :data:`WAIT_S`; not at all once abandoned)
+        and cancel those left (a server that does not answer); give the threads of cancelled
+        requests :data:`CANCELLED_S` to see it; then wait (at most :data:`SETTLE_S`) until no
+        foreign thread is inside Python code."""
         try:
             if self._pending and not self._abandoned:
-                await asyncio.wait(list(self._pending))
+                await asyncio.wait(list(self._pending), timeout=WAIT_S)
         finally:
             for fut in self._pending:
                 fut.cancel()
+                self._cancelled = True
             self._pending.clear()
+        if self._cancelled:
+            self._cancelled = False
+            await anyio.sleep(CANCELLED_S)  # a cancelled request's thread takes the GIL once more
         end = time.monotonic() + SETTLE_S
         while foreign_threads_in_python() and time.monotonic() < end:
             await anyio.sleep(0.002)
