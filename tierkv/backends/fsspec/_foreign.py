@@ -55,19 +55,27 @@ class ForeignFutures:
     def __len__(self) -> int:
         return len(self._pending)
 
-    async def wait(self, request: Awaitable[Any]) -> Any:
-        """The result of ``request`` (a future from the other runtime); cancelling the caller
-        cancels the request."""
+    def started(self, request: Awaitable[Any]) -> asyncio.Future[Any]:
+        """``request`` (a future from the other runtime) as a future this object tracks; the caller
+        awaits it (cancelling the caller cancels the request), then calls :meth:`ended`."""
         fut = asyncio.ensure_future(request)
-        if not fut.done():
-            self._pending.add(fut)
-            fut.add_done_callback(self._ended)
-        return await fut
+        self._pending.add(fut)
+        return fut
 
-    def _ended(self, fut: asyncio.Future[Any]) -> None:
+    def ended(self, fut: asyncio.Future[Any]) -> None:
+        """The caller of :meth:`started` is done with ``fut`` (it ended, or the caller was cancelled).
+        No done callback does this: that would be one more turn of the event loop per request."""
         self._pending.discard(fut)
         if fut.cancelled():
             self._cancelled = True
+
+    async def wait(self, request: Awaitable[Any]) -> Any:
+        """:meth:`started`, await, :meth:`ended`."""
+        fut = self.started(request)
+        try:
+            return await fut
+        finally:
+            self.ended(fut)
 
     def abandon(self) -> None:
         """From now on :meth:`settle` does not wait for the requests still running."""
