@@ -264,6 +264,7 @@ async def raw_s3_loop(options: dict[str, Any], paths: list[str], concurrency: in
 async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrency: int) -> float | None:
     """Seconds to fetch every object with obstore (``get_range_async`` of the whole object),
     ``concurrency`` requests in flight; None when obstore is not installed."""
+    from tierkv.backends.fsspec._foreign import threads_out_of_python
     from tierkv.backends.fsspec._obstore import obstore_module, s3_store_config
     from tierkv.backends.fsspec._remote import RetryPolicy
 
@@ -287,7 +288,9 @@ async def raw_obstore_loop(options: dict[str, Any], paths: list[str], concurrenc
     async with anyio.create_task_group() as tg:
         for path, size in zip(paths, sizes, strict=True):
             tg.start_soon(one, path, size)
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    await threads_out_of_python()  # before this loop's event loop closes (tierkv._foreign says why)
+    return dt
 
 
 def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["ForeignFutures", "foreign_threads_in_python"]
+__all__ = ["ForeignFutures", "foreign_threads_in_python", "threads_out_of_python"]
 
 #: how long :meth:`ForeignFutures.settle` waits for the requests in flight (a healthy server
 #: answers in milliseconds; one that does not would hold a closing store, or Ctrl-C, for the
@@ -42,6 +42,15 @@ def foreign_threads_in_python() -> int:
     """How many threads that Python did not start (tokio's, ...) are inside Python code now."""
     known = {t.ident for t in threading.enumerate()}
     return sum(1 for ident in sys._current_frames() if ident not in known)
+
+
+async def threads_out_of_python() -> None:
+    """Wait (at most :data:`SETTLE_S`) until no thread that Python did not start is inside Python
+    code: what a process that used a client of another runtime (obstore) without tierkv's driver
+    (a raw baseline) does before it exits."""
+    end = time.monotonic() + SETTLE_S
+    while foreign_threads_in_python() and time.monotonic() < end:
+        await anyio.sleep(0.002)
 
 
 class ForeignFutures:
@@ -97,6 +106,4 @@ class ForeignFutures:
         if self._cancelled:
             self._cancelled = False
             await anyio.sleep(CANCELLED_S)  # a cancelled request's thread takes the GIL once more
-        end = time.monotonic() + SETTLE_S
-        while foreign_threads_in_python() and time.monotonic() < end:
-            await anyio.sleep(0.002)
+        await threads_out_of_python()

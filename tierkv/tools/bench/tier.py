@@ -200,9 +200,11 @@ async def remove_records(tier: dict[str, Any], layout: Layout, namespace: str, h
     cleanup = FsspecTier(FsspecTierConfig(**{k: v for k, v in tier.items() if k != "kind"}), ctx)
     try:
         await cleanup.open()
-        await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
-        await cleanup.driver.delete_many([manifest_path(cleanup.root, cleanup.context.fingerprint)])
-        await cleanup.close()
+        try:
+            await cleanup.delete(0, [h + b"\0\0\0\0" for h in hashes])
+            await cleanup.driver.delete_many([manifest_path(cleanup.root, cleanup.context.fingerprint)])
+        finally:
+            await cleanup.close()  # an obstore tier's threads must be out of Python before exit
         if is_local_url(str(tier["url"])):  # and the directory fan-out the records left, now empty
             for dirpath, _, _ in os.walk(cleanup.ns_root, topdown=False):
                 with contextlib.suppress(OSError):
