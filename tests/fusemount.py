@@ -41,22 +41,30 @@ def _unmount(path: Path) -> None:
 class WeedMount:
     """``weed mount`` of a new directory of ``server``'s filer at ``path``."""
 
-    def __init__(self, server: SeaweedServer, path: Path) -> None:
+    def __init__(self, server: SeaweedServer, path: Path, env: dict[str, str] | None = None) -> None:
         assert server.weed is not None
         self.server = server
         self.path = path
         self.filer_dir = f"/tierkv-fuse-{uuid.uuid4().hex[:10]}"
         self.log_path = path.parent / f"{path.name}.mount.log"
+        #: the daemon's chunk cache (about 100 MB once files are read); by default ``weed mount``
+        #: puts it in a new directory of $TMPDIR that nothing removes
+        self.cache_dir = path.parent / f"{path.name}.cache"
+        #: its control socket (by default /tmp/seaweedfs-mount-<hash>.sock, left behind when killed)
+        self.socket = path.parent / f"{path.name}.sock"
+        self.env = dict(os.environ) if env is None else env
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
         """Mount and wait until the path is a mount point."""
         self.path.mkdir(parents=True, exist_ok=True)
         p = self.server.ports
-        cmd = [str(self.server.weed), "mount", f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}",
-               f"-filer.path={self.filer_dir}", f"-dir={self.path}", "-allowOthers=false"]
+        cmd = [str(self.server.weed), "-logtostderr", "mount", f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}",
+               f"-filer.path={self.filer_dir}", f"-dir={self.path}", f"-cacheDir={self.cache_dir}",
+               f"-localSocket={self.socket}", "-allowOthers=false"]
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = spawn(cmd, log, dict(os.environ))
+            self.proc = spawn(cmd, log, self.env)
         deadline = time.monotonic() + timeout
         while not os.path.ismount(self.path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -86,12 +94,15 @@ class WeedMount:
         self.start()
 
     def close(self) -> None:
-        """Unmount and stop the daemon (a frozen one too)."""
+        """Unmount and stop the daemon (a frozen one too); remove its cache."""
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGCONT)
         _unmount(self.path)
         self.kill()
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
 
     def log_tail(self, lines: int = 20) -> str:
         try:

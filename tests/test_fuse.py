@@ -5,6 +5,7 @@ one) while a store uses it. Needs /dev/fuse and fuse3 (``scripts/dev`` installs 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -148,3 +149,23 @@ async def test_a_killed_mount_is_written_again_once_it_is_mounted_again(mount: W
     async with TieredStore(cfg(root)) as fresh:  # what waited for the mount is there
         state, out = await restore(fresh, later)
         assert state is Lookup.HIT and torch.equal(out, blocks(12, BB, seed=6))
+
+
+def test_a_mount_leaves_nothing_in_the_temporary_directory(tmp_path: Path) -> None:
+    why = missing()
+    if why:
+        pytest.skip(f"no FUSE here: {why}")
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    sockets = set(Path("/tmp").glob("seaweedfs-mount-*.sock"))
+    m = WeedMount(seaweed_server(), tmp_path / "mnt", env={**os.environ, "TMPDIR": str(tmpdir)})
+    m.start()
+    try:
+        data = os.urandom(4 << 20)
+        (m.path / "f").write_bytes(data)
+        assert (m.path / "f").read_bytes() == data
+    finally:
+        m.close()
+    assert list(tmpdir.iterdir()) == []
+    assert not m.cache_dir.exists()
+    assert set(Path("/tmp").glob("seaweedfs-mount-*.sock")) <= sockets

@@ -223,7 +223,7 @@ class SeaweedServer:
         p = self.ports
         assert self.weed is not None
         return [
-            self.weed, "server",
+            self.weed, "-logtostderr", "server",  # logs in weed.log, none in $TMPDIR
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-dir={self.data_dir}",
             "-master.peers=none",  # single master: leader at once (else 2.5-9 s of raft bootstrap)
