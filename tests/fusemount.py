@@ -59,7 +59,8 @@ class WeedMount:
         """Mount and wait until the path is a mount point."""
         self.path.mkdir(parents=True, exist_ok=True)
         p = self.server.ports
-        cmd = [str(self.server.weed), "-logtostderr", "mount", f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}",
+        cmd = [str(self.server.weed), "-logtostderr", "mount",
+               f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}",
                f"-filer.path={self.filer_dir}", f"-dir={self.path}", f"-cacheDir={self.cache_dir}",
                f"-localSocket={self.socket}", "-allowOthers=false"]
         self.cache_dir.mkdir(parents=True, exist_ok=True)

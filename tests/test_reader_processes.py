@@ -24,6 +24,7 @@ from helpers import ctrl_c, evict
 from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
+from tierkv.backends.fsspec import _local as local_driver
 from tierkv.backends.fsspec import _readproc as readproc
 from tierkv.backends.fsspec._readproc import ReaderProcesses
 from tierkv.errors import ConfigError
@@ -117,6 +118,56 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
     finally:
         await t.close()
     assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
+
+
+async def test_a_helper_hands_rows_over_while_it_reads_the_rest(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(local_driver, "HELPER_REQUEST_BYTES", 3 * BB)  # requests of 3 records
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        readers_of(t)
+        pool.zero_()
+        written_at_first: list[int] = []
+
+        def landed(i: int) -> None:
+            if not written_at_first:
+                written_at_first.extend(j for j in range(N) if pool[j].any())
+
+        assert await t.get(0, keys(), pool, landed) == [True] * N
+        assert torch.equal(pool, data)
+        assert backend(t).get("reader_reads") == N
+        # the first rows were reported while the helper had at most two requests (six records)
+        assert 3 <= len(written_at_first) <= 6, written_at_first
+    finally:
+        await t.close()
+
+
+async def test_a_helper_that_dies_between_requests_keeps_what_it_verified(tmp_path: Path,
+                                                                         monkeypatch: Any) -> None:
+    monkeypatch.setattr(local_driver, "HELPER_REQUEST_BYTES", 3 * BB)
+    data = blocks()
+    await stored(tmp_path / "t", data)
+    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
+    t = tier(tmp_path / "t", read_processes=1)
+    await t.open()
+    try:
+        helper = readers_of(t).procs[0]
+        pool.zero_()
+
+        def landed(i: int) -> None:
+            if helper.proc.poll() is None:
+                helper.proc.kill()
+                helper.proc.wait()
+
+        assert await t.get(0, keys(), pool, landed) == [True] * N
+        assert torch.equal(pool, data)  # what it had not answered was read in threads
+        assert backend(t).get("reader_deaths") == 1
+        assert backend(t).get("reader_reads") in (3, 6)  # its answers before it died
+    finally:
+        await t.close()
 
 
 async def test_the_helpers_are_ready_once_the_tier_is_open(tmp_path: Path) -> None:

@@ -55,6 +55,10 @@ CHUNK_BYTES = 8 << 20
 #: how long opening the tier waits for its reader processes to start (then it goes on; a helper
 #: that becomes ready later is used from then on)
 READERS_READY_S = 5.0
+#: where verified rows are copied on as they land (a ``get`` into the caller's rows), a helper gets
+#: its records in requests of about this many bytes, two in flight: the waiting thread copies one
+#: request's rows out while the helper reads the next
+HELPER_REQUEST_BYTES = 4 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: with direct I/O on, records of at least this many bytes are written past the page cache;
 #: smaller ones cost more in their system calls than in their copy, and stay buffered
@@ -522,13 +526,15 @@ class LocalDriver(Driver):
             return list(range(len(paths)))
         parts = _chunks(len(items), len(ready))
 
+        per_request = max(1, HELPER_REQUEST_BYTES // max(1, items[0][2])) if landed is not None else 0
+
         def ask(helper: ReaderProcess, run: range) -> list[int]:
-            sizes = helper.read(items[run.start:run.stop])
-            if landed is not None:
-                for j, size in zip(run, sizes, strict=True):
-                    if size > 0:
-                        landed(positions[j])
-            return sizes
+            def answered(start: int, sizes: list[int]) -> None:
+                for k, size in enumerate(sizes):
+                    if size > 0 and landed is not None:
+                        landed(positions[run.start + start + k])
+
+            return helper.read(items[run.start:run.stop], per_request, answered)
 
         answers = await self._jobs.run_all(self._pool, [functools.partial(ask, p, r)
                                                         for p, r in zip(ready, parts, strict=False)])

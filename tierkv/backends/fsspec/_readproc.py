@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,22 +88,46 @@ class ReaderProcess:
                 self._lock.release()
         return self.state == "ready"
 
-    def read(self, items: list[Item]) -> list[int]:
-        """Per item, the verified record's size, or 0 (the caller reads it itself)."""
+    def read(self, items: list[Item], per_request: int = 0,
+             answered: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        """Per item, the verified record's size, or 0 (the caller reads it itself).
+
+        With ``per_request``, the items go in requests of that many, two in flight, and
+        ``answered(start, sizes)`` runs as each request's answer comes back, while the helper
+        reads the next one (the caller copies verified rows out as the rest are read). Answers
+        received before the helper died keep their sizes: those rows were verified, and a dead
+        helper writes nothing more."""
+        n = len(items)
+        out = [0] * n
+        step = per_request if 0 < per_request < n else max(n, 1)
+        starts = list(range(0, n, step))
         with self._lock:
             if self.state != "ready":
-                return [0] * len(items)
+                return out
+            sent, clean = 0, False
             try:
-                self._send.send(items)
-                got: list[int] = self._recv.recv()
-                if len(got) == len(items):
-                    return got
+                for k, start in enumerate(starts):
+                    while sent < len(starts) and sent <= k + 1:
+                        self._send.send(items[starts[sent]:starts[sent] + step])
+                        sent += 1
+                    got = self._recv.recv()
+                    if not isinstance(got, list) or len(got) != min(step, n - start):
+                        break
+                    out[start:start + len(got)] = got
+                    if answered is not None:
+                        answered(start, got)
+                else:
+                    clean = True
             except (EOFError, OSError):
                 pass
-            if self.state == "ready":  # not closed under us: it died, or answered nonsense
-                self.state = "dead"
-            self._end()  # no write of its may land in rows the caller now reads itself
-            return [0] * len(items)
+            finally:
+                if not clean:
+                    # died, answered nonsense, or a callback raised: nothing more of it is used, and
+                    # no write of its may land in rows the caller now reads itself
+                    if self.state == "ready":
+                        self.state = "dead"
+                    self._end()
+            return out
 
     def _end(self) -> None:
         try:
