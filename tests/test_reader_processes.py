@@ -4,6 +4,7 @@ read in threads as before, never served wrong; helpers end with the tier, and wi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +98,30 @@ def readers_of(t: FsspecTier) -> ReaderProcesses:
     return readers
 
 
-async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_bytes(tmp_path: Path) -> None:
+HelperTier = tuple[FsspecTier, torch.Tensor, torch.Tensor]
+
+
+@contextlib.asynccontextmanager
+async def with_helpers(tmp_path: Path, count: int) -> AsyncIterator[HelperTier]:
+    """A tier with ``count`` ready helpers, its stored blocks (in the page cache) and a zeroed pool
+    in shared memory to read them into."""
     data = blocks()
     await stored(tmp_path / "t", data)
     pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
-    t = tier(tmp_path / "t", read_processes=2)
+    t = tier(tmp_path / "t", read_processes=count)
     await t.open()
     try:
+        readers_of(t)
+        pool.zero_()
+        yield t, data, pool
+    finally:
+        await t.close()
+
+
+async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_bytes(tmp_path: Path) -> None:
+    async with with_helpers(tmp_path, 2) as (t, data, pool):
         readers = readers_of(t)
         assert len(readers.procs) == 2
-        warm(tmp_path / "t")
         seen: list[tuple[int, bytes]] = []  # rows reported verified, as they were then
         found = await t.get(0, keys(), pool, lambda i: seen.append((i, pool[i].numpy().tobytes())))
         assert found == [True] * N
@@ -115,21 +131,12 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
         assert sorted(i for i, _ in seen) == list(range(N))
         assert all(row == data[i].numpy().tobytes() for i, row in seen)
         procs = [p.proc for p in readers.procs]
-    finally:
-        await t.close()
     assert all(p.returncode is not None for p in procs), "helpers outlived their tier"
 
 
 async def test_a_helper_hands_rows_over_while_it_reads_the_rest(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr(local_driver, "HELPER_REQUEST_BYTES", 3 * BB)  # requests of 3 records
-    data = blocks()
-    await stored(tmp_path / "t", data)
-    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
-    t = tier(tmp_path / "t", read_processes=1)
-    await t.open()
-    try:
-        readers_of(t)
-        pool.zero_()
+    async with with_helpers(tmp_path, 1) as (t, data, pool):
         written_at_first: list[int] = []
 
         def landed(i: int) -> None:
@@ -141,21 +148,13 @@ async def test_a_helper_hands_rows_over_while_it_reads_the_rest(tmp_path: Path, 
         assert backend(t).get("reader_reads") == N
         # the first rows were reported while the helper had at most two requests (six records)
         assert 3 <= len(written_at_first) <= 6, written_at_first
-    finally:
-        await t.close()
 
 
 async def test_a_helper_that_dies_between_requests_keeps_what_it_verified(tmp_path: Path,
                                                                          monkeypatch: Any) -> None:
     monkeypatch.setattr(local_driver, "HELPER_REQUEST_BYTES", 3 * BB)
-    data = blocks()
-    await stored(tmp_path / "t", data)
-    pool = shared_pool_tensors(str(tmp_path / "pool"), plan())[0]
-    t = tier(tmp_path / "t", read_processes=1)
-    await t.open()
-    try:
+    async with with_helpers(tmp_path, 1) as (t, data, pool):
         helper = readers_of(t).procs[0]
-        pool.zero_()
 
         def landed(i: int) -> None:
             if helper.proc.poll() is None:
@@ -166,8 +165,6 @@ async def test_a_helper_that_dies_between_requests_keeps_what_it_verified(tmp_pa
         assert torch.equal(pool, data)  # what it had not answered was read in threads
         assert backend(t).get("reader_deaths") == 1
         assert backend(t).get("reader_reads") in (3, 6)  # its answers before it died
-    finally:
-        await t.close()
 
 
 async def test_the_helpers_are_ready_once_the_tier_is_open(tmp_path: Path) -> None:
