@@ -170,6 +170,8 @@ LMCACHE_INSTALL = ("python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip insta
 TIERKV = "tierkv"
 TIERKV_API = "tierkv-api"
 DEVICE = "device"
+#: every vLLM primary pool file this run asked for (/dev/shm); removed at exit whatever the ending
+VLLM_POOLS: set[str] = set()
 GUARD_BLOCK = 1 << 20
 GUARD_N = 8
 #: other processes' CPUs (median over the timed phases) past which a run says it is not decision-grade
@@ -508,13 +510,16 @@ class ManagerSystem(System):
 
         entry = self.entry(root, capacity)
         assert entry is not None
+        engine_id = f"peers-{uuid.uuid4().hex[:12]}"
+        # vLLM's primary pool, a file in /dev/shm that its shutdown removes: on Ctrl-C the exit handler does
+        VLLM_POOLS.add(f"/dev/shm/vllm_offload_{engine_id}.mmap")
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",),
                                           group_id=0),),
             worker_kv_bytes_per_block=block_bytes,
             enable_kv_cache_events=False,
             extra_config={"cpu_bytes_to_use": rows * block_bytes, "secondary_tiers": [entry]},
-            engine_id=f"peers-{uuid.uuid4().hex[:12]}",
+            engine_id=engine_id,
             model=OffloadingModelConfig(name="peers/model", dtype="bfloat16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
@@ -976,11 +981,15 @@ class DeviceSystem(System):
 
 
 def clean_up(systems: dict[str, System], workroot: str) -> None:
-    """Stop every child process and remove the run's scratch directory (an exit handler)."""
+    """Stop every child process and remove the run's scratch directory and vLLM's pools in shared
+    memory (an exit handler)."""
     for s in systems.values():
         with contextlib.suppress(Exception):
             s.kill()
     shutil.rmtree(workroot, ignore_errors=True)
+    for path in VLLM_POOLS:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _patched(system: TierkvSystem, args: argparse.Namespace) -> TierkvSystem:
