@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     with Busy() as idle:
         time.sleep(0.5)
     SPIN_IDLE[0] = idle.rate
-    base = tempfile.mkdtemp(prefix="tierkv-batchio-", dir=args.dir or "/var/tmp")
+    base = benchmain.remove_at_exit(tempfile.mkdtemp(prefix="tierkv-batchio-", dir=args.dir or "/var/tmp"))
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "sizes": {}}
     try:
         for kib in args.sizes:

@@ -8,14 +8,16 @@ blocks (temporary directories, servers, child engines) run as the interrupt unwi
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["directory", "positive", "positive_list", "require", "run"]
+__all__ = ["directory", "positive", "positive_list", "remove_at_exit", "require", "run"]
 
 NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
 
@@ -62,13 +64,34 @@ def directory(text: str) -> str:
     return text
 
 
+def remove_at_exit(path: str) -> str:
+    """Remove the directory ``path`` when the script exits, however it ends (a ``finally`` that
+    removes it may itself be cut short by Ctrl-C); returns ``path``."""
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is Ctrl-C, or an error raised while Ctrl-C unwound (a cleanup it cut short:
+    ``shutil.rmtree`` interrupted half-way raises ``EBADF`` from its own ``finally``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
+
+
 def run(main: Callable[[], int | None]) -> NoReturn:
     """Call ``main`` and exit with what it returned (``None`` is 0); on Ctrl-C, one line and 130."""
     try:
         # inside the try: a Ctrl-C that lands as the handler changes is caught like any other
         signal.signal(signal.SIGINT, signal.default_int_handler)
         code = main()
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
         print(f"{NAME}: interrupted", file=sys.stderr)
         code = 130
     sys.exit(code)

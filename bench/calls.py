@@ -118,7 +118,7 @@ def one_size(block_kib: int, args: argparse.Namespace, pool: ThreadPoolExecutor)
     rows = torch.zeros(n + 1, block + 4096, dtype=torch.uint8)  # a record is a little longer than its block
     figures: dict[str, list[float]] = {"store": [], "plain store": [], "cold": [], "plain cold": [],
                                        "warm": [], "plain warm": []}
-    base = tempfile.mkdtemp(prefix="tierkv-calls-", dir=args.dir)
+    base = benchmain.remove_at_exit(tempfile.mkdtemp(prefix="tierkv-calls-", dir=args.dir))
     try:
         for r in range(args.rounds):
             root = f"{base}/tier{r}"

@@ -453,7 +453,7 @@ class S3Server:
         if args.s3_server == "seaweedfs":
             from tierkv.testing.seaweed import SeaweedServer
 
-            self.root = tempfile.mkdtemp(prefix="tkv-bench-s3-", dir=args.dir)
+            self.root = benchmain.remove_at_exit(tempfile.mkdtemp(prefix="tkv-bench-s3-", dir=args.dir))
             self.weed = SeaweedServer(Path(self.root))
             self.weed.start()
             self.opts = self.weed.storage_options()
@@ -738,7 +738,7 @@ class CodecBench:
 # ---- main ----------------------------------------------------------------------------------------
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
-    base = tempfile.mkdtemp(prefix="tierkv-fs-bench-", dir=args.dir)
+    base = benchmain.remove_at_exit(tempfile.mkdtemp(prefix="tierkv-fs-bench-", dir=args.dir))
     try:
         if "file" in args.sections or "store" in args.sections:
             fb = FileBench(args, base)

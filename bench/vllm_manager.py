@@ -304,7 +304,8 @@ def run_stream(m: OffloadingManager, stream: list[list[bytes]], groups: int, ste
 
 def one_run(variant: str, stream: list[list[bytes]], groups: int, args: argparse.Namespace,
             profile: cProfile.Profile | None = None) -> Result:
-    root = tempfile.mkdtemp(prefix="tkbench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = benchmain.remove_at_exit(
+        tempfile.mkdtemp(prefix="tkbench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         built = BUILDERS[variant](groups, args.capacity, root, args.page)
         try:

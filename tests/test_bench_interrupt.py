@@ -106,3 +106,29 @@ def test_ctrl_c_as_run_installs_its_handler_still_ends_with_one_line(
         pytest.fail("the interrupt escaped benchmain.run (a traceback, exit -2)")
     assert ended.value.code == 130
     assert capsys.readouterr().err.endswith(": interrupted\n")
+
+
+SCRIPT_CUT_SHORT = """
+import os, sys, tempfile
+sys.path.insert(0, {bench!r})
+import benchmain
+root = benchmain.remove_at_exit(tempfile.mkdtemp(dir={tmp!r}))
+open(os.path.join(root, "f"), "w").close()
+def main():
+    try:
+        raise KeyboardInterrupt  # Ctrl-C while measuring
+    finally:
+        raise OSError(9, "Bad file descriptor")  # its cleanup, cut short (shutil.rmtree's own finally)
+benchmain.run(main)
+"""
+
+
+def test_ctrl_c_that_cuts_a_cleanup_short_is_one_line_and_the_scratch_directory_goes(tmp_path: Path) -> None:
+    # bench/vllm_manager.py: Ctrl-C landed in the shutil.rmtree of its finally, which then raised
+    # EBADF: a traceback, and its directory in /dev/shm left behind
+    script = tmp_path / "cut.py"
+    script.write_text(SCRIPT_CUT_SHORT.format(bench=str(BENCH), tmp=str(tmp_path)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "cut: interrupted"
+    assert [p.name for p in tmp_path.iterdir()] == ["cut.py"]
