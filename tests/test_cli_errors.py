@@ -221,6 +221,24 @@ def test_ctrl_c_during_a_commands_own_imports_exits_even_if_the_import_swallows_
     assert _interrupted(code, timeout=60).strip() == "tierkv: error: interrupted"
 
 
+def test_ctrl_c_that_cuts_a_cleanup_short_is_still_an_interrupt(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C lands in a command's cleanup (``shutil.rmtree`` of its scratch directory, which then
+    raises EBADF from its own ``finally``): the user pressed Ctrl-C, not a disk error."""
+    from tierkv import cli
+    from tierkv.tools import demo
+
+    def cut_short(*args: object, **kw: object) -> int:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(demo, "run_demo", cut_short)
+    assert cli.main(["demo"]) == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip() == "tierkv: error: interrupted"
+
+
 def _interrupted(code: str, timeout: float) -> str:
     """Run ``python -c code``; it must exit 130 with no traceback. Its stderr."""
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)

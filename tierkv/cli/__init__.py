@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         from tierkv.errors import TierKVError
 
+        if _cut_short(exc):  # a cleanup that Ctrl-C interrupted raised on its way out
+            error("interrupted")
+            return EXIT_INTERRUPTED
         if isinstance(exc, TierKVError | OSError):
             error(str(exc) or type(exc).__name__)
             return 2
@@ -114,6 +117,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a Ctrl-C unwound (``shutil.rmtree`` interrupted half-way
+    raises ``EBADF`` from its own ``finally``)."""
+    seen: set[int] = set()
+    ctx = exc.__context__
+    while ctx is not None and id(ctx) not in seen:
+        if isinstance(ctx, KeyboardInterrupt):
+            return True
+        seen.add(id(ctx))
+        ctx = ctx.__context__
+    return False
 
 
 if __name__ == "__main__":
