@@ -167,6 +167,35 @@ async def test_a_helper_that_dies_between_requests_keeps_what_it_verified(tmp_pa
         assert backend(t).get("reader_reads") in (3, 6)  # its answers before it died
 
 
+@pytest.mark.parametrize("bad", [2, N // 3])  # the second answer, the last
+async def test_a_helper_that_answers_nonsense_is_ended_and_its_verified_answers_stand(
+        tmp_path: Path, monkeypatch: Any, bad: int) -> None:
+    monkeypatch.setattr(local_driver, "HELPER_REQUEST_BYTES", 3 * BB)
+
+    class Garbled:
+        """The helper's answers, answer ``bad`` cut to one size (a confused helper)."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn, self.answers = conn, 0
+
+        def recv(self) -> Any:
+            got = self.conn.recv()
+            self.answers += 1
+            return got[:1] if self.answers == bad else got
+
+        def close(self) -> None:
+            self.conn.close()
+
+    async with with_helpers(tmp_path, 1) as (t, data, pool):
+        helper = readers_of(t).procs[0]
+        helper._recv = Garbled(helper._recv)  # type: ignore[assignment]
+        assert await t.get(0, keys(), pool, lambda i: None) == [True] * N
+        assert torch.equal(pool, data)  # the rest read in threads
+        assert helper.state == "dead" and helper.proc.poll() is not None
+        assert backend(t).get("reader_deaths") == 1
+        assert backend(t).get("reader_reads") == 3 * (bad - 1)  # its answers before, verified
+
+
 async def test_the_helpers_are_ready_once_the_tier_is_open(tmp_path: Path) -> None:
     """A helper's start is CPU work (an interpreter, its mappings): the tier's open waits for it,
     so it never competes with the first restore after a restart (a restore timed at once after
