@@ -30,6 +30,8 @@ def _while_importing(signum: int, frame: object) -> None:
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _while_importing)
 
+from tierkv.cli.common import interrupted  # noqa: E402  (after the handler: Ctrl-C here is quiet too)
+
 
 def require(module: str, what: str, hint: str) -> None:
     """Exit with one line (``<script>: needs <what>: <hint>``) when ``module`` cannot be imported."""
@@ -71,18 +73,6 @@ def remove_at_exit(path: str) -> str:
     return path
 
 
-def _interrupted(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is Ctrl-C, or an error raised while Ctrl-C unwound (a cleanup it cut short:
-    ``shutil.rmtree`` interrupted half-way raises ``EBADF`` from its own ``finally``)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__context__
-    return False
-
-
 def run(main: Callable[[], int | None]) -> NoReturn:
     """Call ``main`` and exit with what it returned (``None`` is 0); on Ctrl-C, one line and 130."""
     try:
@@ -90,7 +80,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         code = main()
     except BaseException as exc:
-        if not _interrupted(exc):
+        if not interrupted(exc):
             raise
         print(f"{NAME}: interrupted", file=sys.stderr)
         code = 130

@@ -35,7 +35,7 @@ def _catch_interrupts() -> Any:
 _previous = _catch_interrupts()
 try:
     from tierkv.cli import bench_cmds, run_cmds, tier_cmds
-    from tierkv.cli.common import Formatter, error
+    from tierkv.cli.common import Formatter, error, interrupted
 finally:
     if _previous is not None:
         signal.signal(signal.SIGINT, _previous)
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         from tierkv.errors import TierKVError
 
-        if _cut_short(exc):  # a cleanup that Ctrl-C interrupted raised on its way out
+        if interrupted(exc):  # a cleanup that Ctrl-C interrupted raised on its way out
             error("interrupted")
             return EXIT_INTERRUPTED
         if isinstance(exc, TierKVError | OSError):
@@ -117,19 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-
-
-def _cut_short(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised while a Ctrl-C unwound (``shutil.rmtree`` interrupted half-way
-    raises ``EBADF`` from its own ``finally``)."""
-    seen: set[int] = set()
-    ctx = exc.__context__
-    while ctx is not None and id(ctx) not in seen:
-        if isinstance(ctx, KeyboardInterrupt):
-            return True
-        seen.add(id(ctx))
-        ctx = ctx.__context__
-    return False
 
 
 if __name__ == "__main__":

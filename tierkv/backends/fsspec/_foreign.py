@@ -64,27 +64,18 @@ class ForeignFutures:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def started(self, request: Awaitable[Any]) -> asyncio.Future[Any]:
-        """``request`` (a future from the other runtime) as a future this object tracks; the caller
-        awaits it (cancelling the caller cancels the request), then calls :meth:`ended`."""
+    async def wait(self, request: Awaitable[Any]) -> Any:
+        """Await ``request`` (a future from the other runtime), tracked while it runs; cancelling
+        the caller cancels the request. Tracked around the await, with no done callback: that
+        would be one more turn of the event loop per request."""
         fut = asyncio.ensure_future(request)
         self._pending.add(fut)
-        return fut
-
-    def ended(self, fut: asyncio.Future[Any]) -> None:
-        """The caller of :meth:`started` is done with ``fut`` (it ended, or the caller was cancelled).
-        No done callback does this: that would be one more turn of the event loop per request."""
-        self._pending.discard(fut)
-        if fut.cancelled():
-            self._cancelled = True
-
-    async def wait(self, request: Awaitable[Any]) -> Any:
-        """:meth:`started`, await, :meth:`ended`."""
-        fut = self.started(request)
         try:
             return await fut
         finally:
-            self.ended(fut)
+            self._pending.discard(fut)
+            if fut.cancelled():
+                self._cancelled = True
 
     def abandon(self) -> None:
         """From now on :meth:`settle` does not wait for the requests still running."""

@@ -263,16 +263,13 @@ class ObstoreDriver(RequestDriver):
         return key
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        fut = self._futures.started(fn(self.store, *args, **kwargs))
         try:
-            return await fut
+            return await self._futures.wait(fn(self.store, *args, **kwargs))
         except Exception as exc:
             err = translate(exc)
             if err is exc:
                 raise
             raise err from None
-        finally:
-            self._futures.ended(fut)
 
     async def _put(self, path: str, blob: bytes) -> None:
         await self._call(self.obs.put_async, self._key(path), blob,
