@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["directory", "positive", "positive_list", "remove_at_exit", "require", "run"]
+__all__ = ["directory", "interrupted", "positive", "positive_list", "remove_at_exit", "require", "run"]
 
 NAME = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
 
@@ -29,8 +29,6 @@ def _while_importing(signum: int, frame: object) -> None:
 
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _while_importing)
-
-from tierkv.cli.common import interrupted  # noqa: E402  (after the handler: Ctrl-C here is quiet too)
 
 
 def require(module: str, what: str, hint: str) -> None:
@@ -71,6 +69,20 @@ def remove_at_exit(path: str) -> str:
     removes it may itself be cut short by Ctrl-C); returns ``path``."""
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is Ctrl-C, or an error raised while Ctrl-C unwound (a cleanup it cut short:
+    ``shutil.rmtree`` interrupted half-way raises ``EBADF`` from its own ``finally``). The same test
+    as ``tierkv.cli.common.interrupted``, kept here: bench/peers.py's children import this module
+    in LMCache's and SGLang's venvs, where tierkv is not installed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
 
 
 def run(main: Callable[[], int | None]) -> NoReturn:
