@@ -159,20 +159,48 @@ def test_release_in_two_groups_keeps_other_requests_pins_and_refreshes_recency()
     assert not problems(pools)
 
 
-def test_drop_frees_a_failed_promotion_and_every_pin_on_it() -> None:
+def test_abandon_frees_a_failed_promotion_and_every_pin_on_it() -> None:
     adm, pools, _ = setup()
     a, b = adm.request("a"), adm.request("b")
     assert a is not None and b is not None
     promos = adm.admit(a, wants(FULL, 1))
     assert promos is not None
-    slot = promos[0].slots[0]
+    slot, token = promos[0].slots[0], promos[0].tokens[0]
     adm.pin(b, FULL, key(1), slot)  # b looked the block up while it was in flight
-    adm.drop(FULL, key(1))
+    assert adm.abandon(FULL, key(1), slot, token)
     assert key(1) not in a.pins and key(1) not in b.pins
     assert pools[FULL].slot_of(key(1)) is None and pools[FULL].pins[slot] == 0
     promos[0].landed([False])
     assert a.stale and a.waiting == 0
     assert not problems(pools)
+
+
+def test_an_old_promotion_cannot_end_a_newer_one_of_the_same_key() -> None:
+    """Regression (#46): a promotion whose block landed, was evicted and is promoted again by a
+    newer promotion, failed what was left of its own work with the key: it freed the newer
+    promotion's slot while that read was in flight, the slot went to another key and the late
+    read landed in it (``get`` returned another key's block)."""
+    adm, pools, _ = setup()
+    a, b = adm.request("a"), adm.request("b")
+    assert a is not None and b is not None
+    old = adm.admit(a, wants(FULL, 1))
+    assert old is not None
+    s_old, t_old = old[0].slots[0], old[0].tokens[0]
+    assert pools[FULL].land([s_old], [t_old]) == [True]
+    adm.release("a")
+    pools[FULL].free([s_old])  # evicted
+    new = adm.admit(b, wants(FULL, 1))
+    assert new is not None
+    s_new, t_new = new[0].slots[0], new[0].tokens[0]
+    # the old promotion's token names its own allocation, not the new one, even where the slot is
+    # the same one: it can neither free nor land the new promotion's slot
+    assert not adm.abandon(FULL, key(1), s_old, t_old)
+    assert pools[FULL].slot_of(key(1)) == s_new and key(1) in b.pins
+    pools[FULL].free([s_new])  # nobody but the writer ends a WRITING slot
+    assert pools[FULL].slot_of(key(1)) == s_new
+    assert pools[FULL].land([s_old], [t_old]) == [False]
+    assert problems(pools), "a refused landing is reported"
+    assert pools[FULL].land([s_new], [t_new]) == [True]
 
 
 def test_anonymous_calls_never_collide_with_a_request_named_empty() -> None:

@@ -281,6 +281,10 @@ def test_free_makes_keys_invisible() -> None:
     assert w is not None
     assert pool.available() == 2
     pool.free([slots[0], w[0][0]])
+    # a slot being written is its writer's to end: free leaves it, abandon with its token frees it
+    assert pool.slot_of(k(2)) == w[0][0] and pool.free_count == 1
+    assert pool.abandon(w[0], [t + 1 for t in pool.tokens(w[0])]) == [False]
+    assert pool.abandon(w[0], pool.tokens(w[0])) == [True]
     for key in (k(0), k(2)):
         assert pool.slot_of(key) is None
         assert not pool.is_ready(key)

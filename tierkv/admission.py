@@ -75,6 +75,9 @@ class Promotion:
     tier: int
     keys: list[bytes]
     slots: list[int]
+    #: each slot's allocation token (:meth:`tierkv.pool.SlotPool.land`): the promotion's proof
+    #: that the slot is still its own when its read lands
+    tokens: list[int]
     #: the request that asked for them (None: a call without ``request_id``)
     request: Request | None = None
 
@@ -179,16 +182,17 @@ class Admission:
         if held:
             self.pools[group].unpin_keys(held)
 
-    def drop(self, group: int, key: bytes) -> None:
-        """Free ``key``'s slot (a failed promotion or store) and forget every pin on it."""
+    def abandon(self, group: int, key: bytes, slot: int, token: int) -> bool:
+        """A write into ``slot`` (allocation ``token``, holding ``key``) failed: free the slot and
+        forget every pin on ``key``. False, and nothing changes, when the slot is no longer that
+        write's (a later allocation holds it: its pins are its own)."""
+        if not self.pools[group].abandon([slot], [token])[0]:
+            return False
         for req in self.requests.values():
             req.pins.pop(key, None)
         for req in self.calls:
             req.pins.pop(key, None)
-        pool = self.pools[group]
-        s = pool.slot_of(key)
-        if s is not None:
-            pool.free([s])
+        return True
 
     def release(self, request_id: str) -> bool:
         """Drop every pin ``request_id`` holds and its place in the queue; False when unknown."""
@@ -324,21 +328,23 @@ class Admission:
             got = pool.allocate(keys)
             assert got is not None, "admission checked availability"
             slots = got[0]
+            tokens = pool.tokens(slots)
             owner = req if req.named else None
             # the keys are new to the pool, so no request pins them yet
             pool.pin_many(slots)
             req.pins.update(dict.fromkeys(keys, g))
             tiers = {tier for _, tier in items}
             if len(tiers) == 1:
-                out.append(Promotion(g, tiers.pop(), keys, slots, owner))
+                out.append(Promotion(g, tiers.pop(), keys, slots, tokens, owner))
                 continue
             by_tier: dict[int, Promotion] = {}
-            for (key, tier), s in zip(items, slots, strict=True):
+            for (key, tier), s, t in zip(items, slots, tokens, strict=True):
                 p = by_tier.get(tier)
                 if p is None:
-                    p = by_tier[tier] = Promotion(g, tier, [], [], owner)
+                    p = by_tier[tier] = Promotion(g, tier, [], [], [], owner)
                 p.keys.append(key)
                 p.slots.append(s)
+                p.tokens.append(t)
             out += by_tier.values()
         if req.named:
             req.waiting += sum(len(p.keys) for p in out)

@@ -27,7 +27,7 @@ from tierkv.admission import Admission
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
-from tierkv.ledger import BlockLedger
+from tierkv.ledger import BlockLedger, Storing
 from tierkv.lookup import KeyState, Lookup, Resolver
 from tierkv.pool import SlotPool, SlotState
 
@@ -161,8 +161,9 @@ class EngineSlots:
         got = pool.allocate(new)
         if got is None:
             return None
-        for k in new:
-            self._ledger.storing[k] = None
+        storing = self._ledger.storing
+        for k, s, t in zip(new, got[0], pool.tokens(got[0]), strict=True):
+            storing[k] = Storing(group, s, t)
         if len(new) == len(keys):
             return Reservation(slots=list(got[0]), evicted=list(got[1]))
         by_key = dict(zip(new, got[0], strict=True))
@@ -172,21 +173,24 @@ class EngineSlots:
     def commit(self, group: int, keys: list[bytes], success: bool = True) -> None:
         """Complete reserved keys: READY and cascaded to the lower tiers, or freed and forgotten."""
         pool = self._pool(group)
-        done_keys, done_slots = [], []
+        done_keys, done_slots, done_tokens = [], [], []
         for k in keys:
-            if not self._ledger.stored(k):
-                continue
-            s = pool.slot_of(k)
-            if s is None:
+            entry = self._ledger.stored(k)
+            if entry is None:
                 continue
             if success:
                 done_keys.append(k)
-                done_slots.append(s)
+                done_slots.append(entry.slot)
+                done_tokens.append(entry.token)
             else:
-                self._admission.drop(group, k)
+                self._admission.abandon(group, k, entry.slot, entry.token)
         if done_slots:
-            pool.mark_ready(done_slots)
-            self._committed(group, done_keys, done_slots)
+            kept = pool.land(done_slots, done_tokens)
+            if not all(kept):
+                done_keys = [k for k, f in zip(done_keys, kept, strict=True) if f]
+                done_slots = [s for s, f in zip(done_slots, kept, strict=True) if f]
+            if done_slots:
+                self._committed(group, done_keys, done_slots)
         self._ledger.changed()
 
     def pool_rows(self) -> dict[int, torch.Tensor]:

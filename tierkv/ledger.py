@@ -29,13 +29,13 @@ import anyio
 import torch
 
 from tierkv.admission import Admission
-from tierkv.pool import SlotPool
+from tierkv.pool import SlotPool, SlotState
 
 if TYPE_CHECKING:
     from tierkv.promotion import Promoter
     from tierkv.rowsink import RowSink
 
-__all__ = ["BlockLedger", "Landing"]
+__all__ = ["BlockLedger", "Landing", "Storing"]
 
 
 class Landing:
@@ -44,14 +44,30 @@ class Landing:
     One event per batch, not per block (a 1,024-block restore made 1,024 events): a waiter wakes
     when any batch of its promotion lands, finds its block READY or not, and waits on the next.
     ``sinks``: the waiting ``get`` calls' rows, which each block is copied into as soon as its
-    read is verified, by the thread that read it.
+    read is verified, by the thread that read it. ``slots``: key -> (slot, allocation token) of
+    the blocks still on their way, what :meth:`BlockLedger.problems` checks against the pool.
     """
 
-    __slots__ = ("event", "sinks")
+    __slots__ = ("event", "group", "sinks", "slots")
 
-    def __init__(self) -> None:
+    def __init__(self, group: int) -> None:
         self.event = anyio.Event()
+        self.group = group
         self.sinks: tuple[RowSink, ...] = ()
+        self.slots: dict[bytes, tuple[int, int]] = {}
+
+
+class Storing:
+    """A block an engine reserved and has not committed: its slot, the allocation's token, and
+    the event ``get`` waits on (made on demand)."""
+
+    __slots__ = ("event", "group", "slot", "token")
+
+    def __init__(self, group: int, slot: int, token: int) -> None:
+        self.group = group
+        self.slot = slot
+        self.token = token
+        self.event: anyio.Event | None = None
 
 
 class _Staged:
@@ -79,8 +95,8 @@ class BlockLedger:
         self._locate: Callable[[int, bytes], int | None] = lambda g, k: None
         #: keys being promoted -> their promotion's landing
         self.promoting: dict[bytes, Landing] = {}
-        #: keys an engine reserved and has not committed -> the event ``get`` waits on (on demand)
-        self.storing: dict[bytes, anyio.Event | None] = {}
+        #: keys an engine reserved and has not committed
+        self.storing: dict[bytes, Storing] = {}
         #: keys cascading from a private copy
         self.staged: dict[bytes, _Staged] = {}
         #: pins cascades hold: group -> slot -> count
@@ -93,22 +109,20 @@ class BlockLedger:
         landing = self.promoting.get(key)
         if landing is not None:
             return landing.event
-        if key not in self.storing:
+        entry = self.storing.get(key)
+        if entry is None:
             return None
-        ev = self.storing[key]
-        if ev is None:
-            ev = self.storing[key] = anyio.Event()
-        return ev
+        if entry.event is None:
+            entry.event = anyio.Event()
+        return entry.event
 
-    def stored(self, key: bytes) -> bool:
-        """The engine completed its reservation of ``key``: wake what waits for it. False when
-        ``key`` was not reserved."""
-        if key not in self.storing:
-            return False
-        ev = self.storing.pop(key)
-        if ev is not None:
-            self._set_event(ev)
-        return True
+    def stored(self, key: bytes) -> Storing | None:
+        """The engine completed its reservation of ``key``: wake what waits for it and return the
+        reservation (its slot and token); None when ``key`` was not reserved."""
+        entry = self.storing.pop(key, None)
+        if entry is not None and entry.event is not None:
+            self._set_event(entry.event)
+        return entry
 
     # ---- staged copies --------------------------------------------------------------------------
     def stage(self, key: bytes, row: torch.Tensor) -> None:
@@ -166,9 +180,12 @@ class BlockLedger:
                 del pins[s]
 
     def problems(self) -> list[str]:
-        """Inconsistencies (empty when sound): the pools' slot accounting, and pins whose owner
-        (a request, a call, a cascade) does not account for them."""
+        """Inconsistencies (empty when sound): the pools' slot accounting (writes refused because
+        their slot was no longer theirs among them), pins whose owner (a request, a call, a
+        cascade) does not account for them, and blocks in flight whose writer does not hold the
+        slot they are written into."""
         problems = [p for pool in self.pools.values() for p in pool.problems()]
+        problems += self._writer_problems()
         for g, pool in self.pools.items():
             expected = [0] * pool.num_slots
             problems += self.admission.count_pins(g, pool, expected)
@@ -179,4 +196,23 @@ class BlockLedger:
                 problems.append(f"group {g}: pins of slots {wrong[:8]} do not match their owners "
                                 f"(requests, calls, cascades)")
         return problems
+
+    def _writer_problems(self) -> list[str]:
+        """Every WRITING slot is written by one promotion or reservation that holds its token."""
+        out: list[str] = []
+        writers: dict[tuple[int, int], str] = {}
+        for key, landing in self.promoting.items():
+            slot, token = landing.slots.get(key, (-1, -1))
+            writers[(landing.group, slot)] = key.hex()
+            if slot < 0 or not self.pools[landing.group].owns(slot, token):
+                out.append(f"group {landing.group}: the promotion of {key.hex()} does not hold its slot")
+        for key, entry in self.storing.items():
+            writers[(entry.group, entry.slot)] = key.hex()
+            if not self.pools[entry.group].owns(entry.slot, entry.token):
+                out.append(f"group {entry.group}: the reservation of {key.hex()} does not hold its slot")
+        for g, pool in self.pools.items():
+            for s in range(pool.num_slots):
+                if pool.state[s] is SlotState.WRITING and (g, s) not in writers:
+                    out.append(f"group {g}: slot {s} is being written by nobody")
+        return out
 

@@ -200,6 +200,13 @@ class SlotPool:
     A slot is FREE, WRITING (its bytes are being filled) or READY. Pins count users that need the
     slot to stay (a request that looked it up, a cascade reading it, a load copying it out); only
     READY slots without pins may be evicted, in the order the eviction policy gives.
+
+    Each allocation of a slot gets a new generation (:attr:`gen`): a writer that fills a slot
+    across awaits (a promotion, an engine's reservation) keeps ``(slot, generation)`` as its
+    token and ends its write only with it (:meth:`land`, :meth:`abandon`). :meth:`free` never
+    frees a WRITING slot, so nobody but its writer can give it back while bytes are on their way
+    into it; a write whose token no longer matches is refused and remembered
+    (:attr:`refused`, reported by :meth:`problems`).
     """
 
     def __init__(self, group: int, block_bytes: int, slots: int, device: torch.device | str = "cpu",
@@ -221,6 +228,11 @@ class SlotPool:
         self.pins = [0] * slots
         self.slot_key: list[bytes | None] = [None] * slots
         self.index: dict[bytes, int] = {}
+        #: per slot, how many times it was allocated: a writer's token is (slot, generation)
+        self.gen = [0] * slots
+        #: writes refused because their slot was no longer theirs: (slot, token's generation,
+        #: slot's generation); never happens while every writer keeps to its token
+        self.refused: list[tuple[int, int, int]] = []
         self._free = list(range(slots - 1, -1, -1))
         self.policy: EvictionPolicy = make_policy(policy, slots)
         self.evictions = 0
@@ -290,6 +302,9 @@ class SlotPool:
         writing = sum(1 for s in range(self.num_slots) if self.state[s] is SlotState.WRITING)
         if writing != self.writing:
             out.append(f"group {g}: writing count {self.writing}, actually {writing}")
+        for s, token, now in self.refused[:8]:
+            out.append(f"group {g}: a write into slot {s} (allocation {token}) was refused: the slot"
+                       f" is allocation {now} now")
         return out
 
     # ---- transitions ---------------------------------------------------------------------------
@@ -312,11 +327,47 @@ class SlotPool:
             self.on_evict(victims)
         slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
         self.writing += len(slots)
+        gen = self.gen
         for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING
             self.slot_key[s] = key
             self.index[key] = s
+            gen[s] += 1
         return slots, victims
+
+    def tokens(self, slots: Sequence[int]) -> list[int]:
+        """The current generation of each of ``slots``: the tokens a writer keeps (see class docs)."""
+        gen = self.gen
+        return [gen[s] for s in slots]
+
+    def owns(self, s: int, token: int) -> bool:
+        """True when slot ``s`` is still WRITING under the allocation ``token`` names."""
+        return self.gen[s] == token and self.state[s] is SlotState.WRITING
+
+    def land(self, slots: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """A writer's bytes are complete: WRITING -> READY for each slot still its own.
+
+        Per slot, False (and remembered in :attr:`refused`) when the slot is no longer the
+        writer's: its bytes must not be served under any key.
+        """
+        ok = [self.owns(s, t) for s, t in zip(slots, tokens, strict=True)]
+        if all(ok):
+            self.mark_ready(slots)
+            return ok
+        self.mark_ready([s for s, f in zip(slots, ok, strict=True) if f])
+        self.refused += [(s, t, self.gen[s]) for s, t, f in zip(slots, tokens, ok, strict=True) if not f]
+        return ok
+
+    def abandon(self, slots: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """A writer gives up: free each slot still its own (its key becomes invisible at once).
+
+        Per slot, whether it was the writer's (False: another allocation holds it now, untouched).
+        """
+        ok = [self.owns(s, t) for s, t in zip(slots, tokens, strict=True)]
+        for s, f in zip(slots, ok, strict=True):
+            if f:
+                self._drop(s)
+        return ok
 
     def mark_ready(self, slots: Sequence[int]) -> None:
         """WRITING -> READY: the bytes are complete and may be served."""
@@ -331,9 +382,13 @@ class SlotPool:
                 self.policy.insert(key)
 
     def free(self, slots: Sequence[int]) -> None:
-        """Give slots back (a failed write, a delete); their keys become invisible at once."""
+        """Give READY slots back (a delete, a clear); their keys become invisible at once.
+
+        A WRITING slot is left as it is: only its writer ends it (:meth:`abandon`), so no slot
+        is handed to another key while bytes are still on their way into it.
+        """
         for s in slots:
-            if self.state[s] is not SlotState.FREE:
+            if self.state[s] is SlotState.READY:
                 self._drop(s)
 
     def _drop(self, s: int, evicted: bool = False) -> None:

@@ -53,13 +53,14 @@ class Promoter:
                 first, landing = waiting
                 first.keys.extend(p.keys)
                 first.slots.extend(p.slots)
-                self.promoting.update(dict.fromkeys(p.keys, landing))
-                continue
-            landing = Landing()
+                first.tokens.extend(p.tokens)
+            else:
+                landing = Landing(p.group)
+                self._scheduled[slot] = (p, landing)
+                self._bridge.begin()
+                self._bridge.spawn(self._promote, slot)
             self.promoting.update(dict.fromkeys(p.keys, landing))
-            self._scheduled[slot] = (p, landing)
-            self._bridge.begin()
-            self._bridge.spawn(self._promote, slot)
+            landing.slots.update(zip(p.keys, zip(p.slots, p.tokens, strict=True), strict=True))
         for (pos, group), keys in (probes or {}).items():
             gw = self._gateways[pos]
             keys = [k for k in dict.fromkeys(keys) if k not in gw.probing]
@@ -79,21 +80,33 @@ class Promoter:
             p, landing = self._scheduled.pop(slot)  # what rides along is in p from here on
         gw = self._gateways[p.tier]
         pool = self._pools[p.group]
+        #: positions not landed or failed yet: only these are this promotion's to end
+        open_ = bytearray(b"\x01") * len(p.keys)
         remaining = [len(p.keys)]
 
         def landed(positions: list[int], ok: list[bool]) -> None:
-            p.landed(ok)
-            slots, keys, promoting = p.slots, p.keys, self.promoting
-            good = [slots[i] for i, f in zip(positions, ok, strict=True) if f]
-            pool.mark_ready(good)
-            gw.stats.promotions += len(good)
-            if len(good) < len(positions):
-                for i, f in zip(positions, ok, strict=True):
-                    if not f:
-                        gw.stats.promotions_failed += 1
-                        self._admission.drop(p.group, keys[i])
+            positions = [i for i in positions if open_[i]]
+            if not positions:
+                return
             for i in positions:
-                promoting.pop(keys[i], None)
+                open_[i] = 0
+            slots, tokens, keys, promoting = p.slots, p.tokens, p.keys, self.promoting
+            good = [i for i, f in zip(positions, ok, strict=True) if f]
+            if good:
+                # a slot no longer its own is refused (pool.refused): nothing of it is served
+                kept = pool.land([slots[i] for i in good], [tokens[i] for i in good])
+                good = [i for i, f in zip(good, kept, strict=True) if f]
+            done = set(good)
+            gw.stats.promotions += len(good)
+            gw.stats.promotions_failed += len(positions) - len(good)
+            for i, f in zip(positions, ok, strict=True):
+                if not f:
+                    self._admission.abandon(p.group, keys[i], slots[i], tokens[i])
+            p.landed([i in done for i in positions])
+            for i in positions:
+                if promoting.get(keys[i]) is landing:
+                    del promoting[keys[i]]
+                landing.slots.pop(keys[i], None)
             remaining[0] -= len(positions)
             ev = landing.event
             if remaining[0] > 0:
@@ -108,7 +121,7 @@ class Promoter:
             await gw.load(p.group, p.keys, pool.tensor, p.slots, on_batch=landed, on_row=verified)
         finally:
             with self._bridge.lock:
-                left = [i for i, k in enumerate(p.keys) if k in self.promoting]
+                left = [i for i in range(len(p.keys)) if open_[i]]
                 if left:  # cancelled (the store is closing): what did not land is dropped
                     landed(left, [False] * len(left))
                 self._bridge.end()
