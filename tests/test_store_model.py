@@ -8,6 +8,8 @@ the model.
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from concurrent.futures import Future
 from typing import ClassVar
 
 import anyio
@@ -160,3 +162,94 @@ TestFaultyStoreModel.settings = _settings
 TestDeadlineStoreModel = DeadlineStoreMachine.TestCase
 TestDeadlineStoreModel.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
+
+
+class ConcurrentStoreMachine(StoreMachine):
+    """Steps that start work and leave it running (#46): gets, puts and lookups overlap, promotions
+    land while others evict, and gets are cancelled mid-wait. Every row a get returns must be its
+    own key's block, whenever it lands; the accounting is checked after every step."""
+
+    #: a put started and not run yet, or a promotion cut short, may leave a block missing: never wrong
+    faults = True
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        self.lower = {"kind": "fsspec", "url": f"file://{self._dir.name}"}
+        super().__init__()
+        self.running: list[tuple[Future[None], int, list[bytes], torch.Tensor]] = []
+
+    @rule(g=groups, hs=hash_lists, rid=rids, cut=st.sampled_from([None, 0.001, 0.004]))
+    def start_get(self, g: int, hs: list[bytes], rid: str | None, cut: float | None) -> None:
+        out = torch.zeros((len(hs), LAYOUT.groups[g].block_bytes), dtype=torch.uint8)
+        missing: list[int] = []
+
+        async def get() -> None:
+            with anyio.move_on_after(cut if cut is not None else 30) as scope:
+                try:
+                    await self.store.get(g, hs, out, request_id=rid)
+                except BlockMissing as exc:
+                    missing.extend(exc.missing)
+            if scope.cancelled_caught:
+                missing.extend(range(len(hs)))  # rows of a cancelled get are unspecified
+
+        fut = self.portal.start_task_soon(get)
+        self.running.append((fut, g, hs, out))
+        self.missing_of[id(out)] = missing
+
+    @rule(g=groups, hs=hash_lists)
+    def start_put(self, g: int, hs: list[bytes]) -> None:
+        data = torch.stack([data_for(g, h) for h in hs])
+        for h in hs:
+            self.model[(g, h)] = data_for(g, h)
+        self.portal.start_task_soon(self.store.put, g, hs, data)
+
+    @rule(g=groups, hs=hash_lists, rid=rids)
+    def lookup(self, g: int, hs: list[bytes], rid: str | None) -> None:
+        # a file tier answers presence by probing: a block never stored may be PENDING a while
+        res = self.portal.call(lambda: self.store.lookup(g, hs, request_id=rid))
+        for h, r in zip(hs, res, strict=True):
+            if (g, h) not in self.model:
+                assert r is not Lookup.HIT, "a block never stored must not be a HIT"
+
+    @rule(hs=hash_lists, rid=rids)
+    def lookup_prefix(self, hs: list[bytes], rid: str | None) -> None:
+        res = self.portal.call(lambda: self.store.lookup_prefix(hs, request_id=rid))
+        if res.state is Lookup.HIT:
+            for g in GROUPS:
+                for i in LAYOUT.groups[g].blocks_needed(res.blocks):
+                    assert (g, hs[i]) in self.model, "a HIT prefix must only count stored blocks"
+
+    @rule(d=st.sampled_from([0.0, 0.001, 0.005]))
+    def let_it_run(self, d: float) -> None:
+        self.portal.call(anyio.sleep, d)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def finish_one(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.running) - 1))
+        self._finish(self.running.pop(i))
+
+    def _finish(self, item: tuple[Future[None], int, list[bytes], torch.Tensor]) -> None:
+        fut, g, hs, out = item
+        fut.result(timeout=30)
+        missing = self.missing_of.pop(id(out))
+        for i, h in enumerate(hs):
+            if i not in missing:
+                assert torch.equal(out[i], data_for(g, h)), "a get returned another key's block"
+
+    @property
+    def missing_of(self) -> dict[int, list[int]]:
+        if not hasattr(self, "_missing_of"):
+            self._missing_of: dict[int, list[int]] = {}
+        return self._missing_of
+
+    def teardown(self) -> None:
+        while self.running:
+            self._finish(self.running.pop())
+        super().teardown()
+        self._dir.cleanup()
+
+
+TestConcurrentStoreModel = ConcurrentStoreMachine.TestCase
+TestConcurrentStoreModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
