@@ -1,10 +1,11 @@
 """Encryption at rest: a tier's keys, read from key files, and AES-256-GCM through ``cryptography``.
 
-A key file holds one 256-bit key as 64 hex characters (surrounding white space is ignored); it
-must not be open to group or others. A :class:`KeyRing` holds the tier's current key (it
-encrypts every record written) and older keys still accepted for reading (rotation). Records name
-their key by its **key id**, the first 8 bytes of SHA-256 over a fixed label and the key: enough to
-pick the key, nothing about the key itself.
+A key file holds one 256-bit key as 64 hex characters (surrounding white space is ignored) and
+nothing else, at most :data:`KEY_FILE_MAX_BYTES` in all; it must not be open to group or others. A
+key given where its file's path belongs (:func:`looks_like_key`) is refused without being shown.
+A :class:`KeyRing` holds the tier's current key (it encrypts every record written) and older keys
+still accepted for reading (rotation). Records name their key by its **key id**, the first 8 bytes
+of SHA-256 over a fixed label and the key: enough to pick the key, nothing about the key itself.
 
 The key bytes live only in the ring's AES contexts and a private attribute: no ``repr``, ``str``,
 error message or log line shows them (they show key ids). The record format (where the nonce, key
@@ -22,7 +23,8 @@ from typing import Any, Final
 
 from tierkv.errors import ConfigError, CorruptRecord, install_hint
 
-__all__ = ["KEY_ID_LEN", "KEY_LEN", "NONCE_LEN", "TAG_LEN", "KeyRing", "key_id", "load_key_file"]
+__all__ = ["KEY_FILE_MAX_BYTES", "KEY_ID_LEN", "KEY_LEN", "KEY_NOT_A_PATH", "NONCE_LEN", "TAG_LEN", "KeyRing",
+           "key_id", "load_key_file", "looks_like_key"]
 
 #: AES-256: 32 key bytes, 64 hex characters in a key file
 KEY_LEN: Final = 32
@@ -32,6 +34,20 @@ NONCE_LEN: Final = 12
 TAG_LEN: Final = 16
 _KEY_ID_LABEL: Final = b"tierkv key id v1\x00"
 _HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+#: a key file is 64 hex characters and some white space: a larger file is not a key file
+KEY_FILE_MAX_BYTES: Final = 4096
+#: longer than any path the system takes (Linux's PATH_MAX): a value this long is not a path
+_PATH_MAX: Final = 4096
+#: what an error says of a key (or another secret) given where a key file's path belongs
+KEY_NOT_A_PATH: Final = ("the value given looks like a key, not a path to a key file (it is not shown): "
+                         "put the key in a file (chmod 600) and give that file's path")
+
+
+def looks_like_key(value: str) -> bool:
+    """Whether ``value``, given as a key file's path, is rather a secret: hex of 128 bits or more
+    (a key pasted in), or longer than any path. Errors never show such a value."""
+    text = value.strip()
+    return len(value) > _PATH_MAX or (len(text) >= 32 and set(text.encode("utf-8", "replace")) <= _HEX)
 
 
 def key_id(key: bytes) -> bytes:
@@ -43,8 +59,13 @@ def load_key_file(path: str) -> bytes:
     """The 32-byte key in ``path`` (64 hex characters).
 
     Raises :class:`~tierkv.errors.ConfigError` naming the file (never its contents) when it is
-    missing, not a regular file, open to group or others, or does not hold exactly one key.
+    missing, not a regular file, open to group or others, larger than :data:`KEY_FILE_MAX_BYTES`
+    or does not hold exactly one key; and, without showing it, when ``path`` looks like a key.
     """
+    if looks_like_key(path):
+        raise ConfigError(f"encryption key file: {KEY_NOT_A_PATH}")
+    if not path.strip():
+        raise ConfigError("encryption key file: the path is empty")
     where = f"encryption key file {path}"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -59,9 +80,14 @@ def load_key_file(path: str) -> bytes:
         if st.st_mode & 0o077:
             raise ConfigError(f"{where} is open to group or others (mode {oct(st.st_mode & 0o777)}): a key "
                               f"others can read protects nothing; chmod 600 (or 400) it")
-        raw = os.read(fd, 4096)
+        raw = b""
+        while len(raw) <= KEY_FILE_MAX_BYTES and (more := os.read(fd, KEY_FILE_MAX_BYTES + 1 - len(raw))):
+            raw += more
     finally:
         os.close(fd)
+    if len(raw) > KEY_FILE_MAX_BYTES:
+        raise ConfigError(f"{where} must hold one 256-bit key as 64 hex characters and nothing else "
+                          f"(it is larger than {KEY_FILE_MAX_BYTES} bytes)")
     text = raw.strip()
     if len(text) != 2 * KEY_LEN or not set(text) <= _HEX:
         other = "" if set(text) <= _HEX else ", not all hex"

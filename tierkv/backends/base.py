@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from pydantic import ConfigDict, Field, PositiveInt
+from pydantic import ConfigDict, Field, PositiveInt, StrictBool, field_validator
 
 from tierkv.layout import Layout
 from tierkv.numbers import MAX_WAIT_S, StrictNumbers
 
 __all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "RowLanded", "Tier", "TierConfig", "TierContext",
-           "old_name"]
+           "old_name", "real_bool"]
 
 #: called with ``"stored"`` or ``"removed"`` and the keys concerned
 KeyListener = Callable[[str, list[bytes]], None]
@@ -75,7 +75,7 @@ class TierConfig(StrictNumbers):
     #: joins in the background when it answers (unless ``required``)
     open_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: a tier that does not open within ``open_timeout_s`` fails the store's start instead
-    required: bool = False
+    required: StrictBool = False
     #: how long ``close()`` waits for this tier's writes (cascades, then its own close); what it
     #: could not write by then is counted (``stores_abandoned``) and logged
     close_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
@@ -85,6 +85,18 @@ class TierConfig(StrictNumbers):
     #: how often a tier that is down is asked whether it answers again
     health_interval_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S, allow_inf_nan=False)
 
+    @field_validator("required", mode="before")
+    @classmethod
+    def _real_bool(cls, value: Any) -> Any:
+        return real_bool(value)
+
+
+def real_bool(value: Any) -> bool:
+    """``value`` when it is a bool; else a ValueError for a setting that must be one (pydantic
+    would read ``"yes"``, ``"off"`` or ``1`` as one)."""
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false (a boolean, not a string or a number)")
+    return value
 
 
 def old_name(data: Any, old: str, new: str, meaning: str = "") -> Any:

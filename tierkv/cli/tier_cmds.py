@@ -190,6 +190,8 @@ def _verify(args: argparse.Namespace) -> int:
         warn(report.hint)
     if report.remaining and not args.repair:
         out.print("run again with --repair to delete the corrupt records")
+    elif report.remaining:
+        out.print(f"{len(report.remaining)} could not be removed (said above): remove them by hand")
     if report.stale and not args.repair:
         out.print(f"{len(report.stale)} stale temporary file(s): run again with --repair to delete them")
     return rc

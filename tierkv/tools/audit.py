@@ -355,6 +355,18 @@ async def _read_as_the_store_does(driver: Driver, base: str, listing: Listing, r
         report.errors.append(Problem(rel, "unreadable", f"the store's read path: {redact.error(exc)}"))
 
 
+def _record_dirs(root: str) -> list[Entry]:
+    """Directories named as records where records belong (``<fp>/g<group>/<xx>/<yy>/<name>.tkv``)
+    under a local ``root``: a listing holds files only, so it never shows them."""
+    out: list[Entry] = []
+    for d, dirs, _ in os.walk(root):
+        rel = os.path.relpath(d, root)
+        if rel.count(os.sep) == 3:
+            out.extend(Entry(f"{d}/{name}", 0, 0.0) for name in dirs if name.endswith(RECORD_SUFFIX))
+            dirs.clear()  # what such a directory holds is listed (as other files), never ours
+    return out
+
+
 async def _list(driver: Driver, root: str, url: str, redact: Redactor) -> Listing:
     if isinstance(driver, LocalDriver) and not os.path.isdir(root):
         raise BackendError(f"{redact_url(url)}: no such directory")
@@ -498,11 +510,13 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
     """Check every record under ``url`` completely; with ``repair`` delete the corrupt ones.
 
     A record is corrupt when :func:`~tierkv.record.verify_record` rejects it, or its key,
-    fingerprint or group disagrees with its path, or its size with its namespace's layout. With
-    ``repair``, corrupt records and stale temporary files (of dead writers on this host, or older
-    than ``stale_temp_s``) are deleted; records that cannot be read (I/O errors) are reported,
-    never deleted. ``on_total`` gets the number of records once listed, ``progress`` the number
-    checked since its last call. With ``keys``, encrypted records sealed by one of its keys are
+    fingerprint or group disagrees with its path, or its size with its namespace's layout; so is
+    something else where a record should be (a FIFO, a symlink, a directory). With ``repair``,
+    corrupt records and stale temporary files (of dead writers on this host, or older than
+    ``stale_temp_s``) are deleted, each on its own (a directory only when empty: one that cannot
+    go stays, its :attr:`Problem.detail` says why); records that cannot be read (I/O errors) are
+    reported, never deleted. ``on_total`` gets the number of records once listed, ``progress``
+    the number checked since its last call. With ``keys``, encrypted records sealed by one of its keys are
     decrypted: one that does not authenticate is corrupt (``auth``); the others are checked for
     structure and checksum only (:attr:`VerifyReport.structure_only`).
     """
@@ -518,7 +532,12 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
             age = max(0.0, now - e.mtime)
             report.temp_files.append(TempFile(path=rel, size=e.size, age_s=round(age, 3), owner_alive=alive,
                                               stale=alive is False or age > stale_temp_s))
+        dirs = None  # a listing has files only: directories where records belong are looked for apart
+        if isinstance(driver, LocalDriver):
+            dirs = classify(root, await driver.run(_record_dirs, root))
         total = sum(len(v) for v in listing.records.values())
+        if dirs is not None:
+            total += sum(len(v) for v in dirs.records.values())
         if on_total is not None:
             on_total(total)
         to_delete: list[tuple[str, Problem | TempFile]] = []
@@ -526,6 +545,14 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
             man = await _manifest(driver, listing.manifests.get(fp), fp)
             report.namespaces[fp] = man.state
             layout = man.layout if man.state == "ok" else None
+            in_place = [] if dirs is None else dirs.records.get(fp, [])
+            for _, rel in in_place:
+                report.checked += 1
+                not_a_file = Problem(rel, "special", "a directory where a record should be")
+                report.corrupt.append(not_a_file)
+                to_delete.append((f"{base}/{rel}", not_a_file))
+            if progress is not None and in_place:
+                progress(len(in_place))
             records = listing.records.get(fp, [])
             for i in range(0, len(records), BATCH):
                 chunk = records[i:i + BATCH]
@@ -566,13 +593,16 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
             report.repaired = True
             to_delete += [(f"{base}/{t.path}", t) for t in report.temp_files if t.stale]
             if to_delete:
+                paths = [p for p, _ in to_delete]
                 try:
-                    await driver.delete_many([p for p, _ in to_delete])
+                    kept = await driver.delete_many(paths)
+                    still = await driver.exists_many(paths)
                 except Exception as exc:
                     raise BackendError(f"repair of {redact_url(url)} failed: {redact.error(exc)}") from None
-                gone = await driver.exists_many([p for p, _ in to_delete])
-                for (_, item), still in zip(to_delete, gone, strict=True):
-                    item.removed = not still
+                for (_, item), err, there in zip(to_delete, kept, still, strict=True):
+                    item.removed = err is None and not there
+                    if isinstance(item, Problem) and err is not None:
+                        item.detail += f"; cannot be removed: {redact.error(err)}"
         return report
     finally:
         await driver.close()

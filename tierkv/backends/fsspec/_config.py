@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, StrictBool, StrictInt, field_validator, model_validator
 
-from tierkv.backends.base import TierConfig, old_name
+from tierkv.backends.base import TierConfig, old_name, real_bool
 from tierkv.backends.fsspec._open import is_local_url, url_problem
 from tierkv.backends.fsspec._redact import redact_url
+from tierkv.encryption import KEY_NOT_A_PATH, looks_like_key
 from tierkv.numbers import MAX_WAIT_S
 
-__all__ = ["FsspecTierConfig"]
+__all__ = ["MAX_IO_DEPTH", "MAX_READ_PROCESSES", "FsspecTierConfig"]
+
+#: the most I/O in flight (``io_depth``, ``io_threads``) a tier may ask for: each is a thread or a
+#: request; past this many a disk, an NFS server or an S3 endpoint gains nothing
+MAX_IO_DEPTH = 1024
+#: the most reader processes (``read_processes``): each is an interpreter with its own mappings
+MAX_READ_PROCESSES = 64
 
 
 class FsspecTierConfig(TierConfig):
@@ -24,29 +31,29 @@ class FsspecTierConfig(TierConfig):
     codec: Literal["none", "zstd", "zstd-shuffle"] = "none"
     elem_size: int = 2
     zstd_level: int = 1
-    fsync: bool = False
+    fsync: StrictBool = False
     #: the tier's I/O in flight on its medium, the one concurrency setting every driver honours:
     #: local paths: reads that wait for the device (a record the page cache does not hold) run on
     #: this many threads, so a disk or NFS server has enough requests (default 16); object stores:
     #: requests in flight; other file systems: threads for their blocking calls (default 4)
-    io_depth: PositiveInt | None = None
+    io_depth: PositiveInt | None = Field(default=None, le=MAX_IO_DEPTH)
     #: local paths only: threads for page-cache work, which is CPU work (default: the CPU count, 2
     #: to 8). Elsewhere the old name of ``io_depth``, still accepted.
-    io_threads: PositiveInt | None = None
+    io_threads: PositiveInt | None = Field(default=None, le=MAX_IO_DEPTH)
     #: local paths: write records of 64 KiB and more with ``O_DIRECT`` (past the page cache, as
     #: vLLM's file tier does): ``"auto"`` where the file system supports it (found out at open),
     #: True to require it, False for buffered writes (new records then stay in the page cache,
     #: and reads of them soon after are memory copies). Reads are buffered either way.
-    direct_io: Literal["auto"] | bool = "auto"
+    direct_io: Literal["auto"] | StrictBool = "auto"
     #: local paths: reads into a pool in shared memory (the vLLM adapter's, a ``cpu`` tier with
     #: ``shm_path``) are done by this many helper processes, each with its own GIL, so a busy
     #: engine loop in this process does not slow a restore down; ``"auto"``: the CPU count, 1 to
-    #: 4; 0: threads only. Linux only (elsewhere: threads).
-    read_processes: Literal["auto"] | NonNegativeInt = "auto"
+    #: 4; 0: threads only; at most :data:`MAX_READ_PROCESSES`. Linux only (elsewhere: threads).
+    read_processes: Literal["auto"] | StrictInt = "auto"
     #: local paths: the mode of every file the tier creates (records, temporaries, layout.json);
     #: its directories get the matching search bits (0o600 -> 0o700, 0o640 -> 0o750). Owner read
     #: and write are required; no execute bits. Default: owner only (a KV cache holds prompts)
-    file_mode: int = Field(default=0o600, ge=0o600, le=0o666)
+    file_mode: StrictInt = Field(default=0o600, ge=0o600, le=0o666)
     #: encryption at rest: a file holding a 256-bit key as 64 hex characters, not open to group or
     #: others. Every record written is sealed with it (AES-256-GCM, bound to its place); records
     #: sealed by a key this store does not hold are misses (counted, said once, left in place)
@@ -57,11 +64,11 @@ class FsspecTierConfig(TierConfig):
     #: with a key: whether unencrypted records (written before encryption was on) are still
     #: served; False once they are gone, so that no one who can write to the storage can plant a
     #: block this store would serve
-    read_unencrypted: bool = True
+    read_unencrypted: StrictBool = True
     #: temporary files older than this (of live or remote writers) are removed at start
     stale_temp_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     #: rebuild capacity accounting in the background after start
-    scan_on_open: bool = True
+    scan_on_open: StrictBool = True
     #: with ``capacity_bytes``: list the namespace again this often (and whenever this process has
     #: written ``rescan_fraction`` of the capacity since the last listing), so that processes
     #: sharing the tier bound it together; 0: only at start
@@ -88,6 +95,36 @@ class FsspecTierConfig(TierConfig):
             return data  # local paths: io_threads is a setting of its own
         return old_name(data, "io_threads", "io_depth", " off local paths (requests in flight)")
 
+    @field_validator("fsync", "read_unencrypted", "scan_on_open", mode="before")
+    @classmethod
+    def _real_bools(cls, v: object) -> bool:
+        return real_bool(v)
+
+    @field_validator("direct_io", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, v: object) -> object:
+        if v != "auto" and not isinstance(v, bool):
+            raise ValueError('must be "auto", true or false')
+        return v
+
+    @field_validator("read_processes", mode="before")
+    @classmethod
+    def _auto_or_count(cls, v: object) -> object:
+        count = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_READ_PROCESSES
+        if v != "auto" and not count:
+            raise ValueError(f'must be "auto" or an integer 0..{MAX_READ_PROCESSES}')
+        return v
+
+    @field_validator("encryption_key_file", "encryption_old_key_files")
+    @classmethod
+    def _key_file_paths(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for path in [v] if isinstance(v, str) else v or []:
+            if not path.strip():
+                raise ValueError("must be the path of a key file, not empty")
+            if looks_like_key(path):
+                raise ValueError(KEY_NOT_A_PATH)
+        return v
+
     @field_validator("file_mode", mode="before")
     @classmethod
     def _octal(cls, v: object) -> object:
@@ -96,6 +133,8 @@ class FsspecTierConfig(TierConfig):
                 return int(v.strip().removeprefix("0o"), 8)
             except ValueError:
                 raise ValueError(f"{v!r} is not an octal file mode such as 0o640") from None
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError('must be an integer file mode such as 0o640 (416), or a string such as "0o640"')
         return v
 
     @field_validator("file_mode")

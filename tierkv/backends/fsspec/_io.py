@@ -171,8 +171,9 @@ class Driver:
         """Per path, whether it exists."""
         raise NotImplementedError
 
-    async def delete_many(self, paths: list[str]) -> None:
-        """Remove paths; absent ones are ignored."""
+    async def delete_many(self, paths: list[str]) -> list[BaseException | None]:
+        """Remove each path, each on its own (one that cannot go never keeps the others): per path
+        None when it is gone (an absent one included), else the error that kept it."""
         raise NotImplementedError
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:

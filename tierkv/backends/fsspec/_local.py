@@ -580,13 +580,10 @@ class LocalDriver(Driver):
         """Refresh the records' file times in a worker thread (the first path the newest)."""
         await self.run(touch_in_order, paths)
 
-    async def delete_many(self, paths: list[str]) -> None:
-        """Unlink in a worker thread."""
-        def unlink_all() -> None:
-            for p in paths:
-                _unlink_quiet(p)
-
-        await self.run(unlink_all)
+    async def delete_many(self, paths: list[str]) -> list[BaseException | None]:
+        """Unlink in a worker thread, each path on its own (see :func:`_remove`: an empty directory
+        where a file belongs goes too)."""
+        return await self.run(lambda: [_remove(p) for p in paths])
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """Walk ``root`` in a worker thread (waiting between directories while ``pause()``)."""
@@ -610,9 +607,31 @@ class LocalDriver(Driver):
         return await anyio.to_thread.run_sync(walk, abandon_on_cancel=True)
 
 
-def _unlink_quiet(path: str) -> None:
+def _remove(path: str) -> OSError | None:
+    """Unlink ``path``: None when it is gone (or was absent), else the error that kept it.
+
+    Only files are listed, so a directory here stands where a file (a record) belongs: removed
+    when empty; one that holds anything is someone else's and stays (an error saying so).
+    """
     try:
         os.unlink(path)
+        return None
     except FileNotFoundError:
-        pass
+        return None
+    except OSError as exc:
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            return detach(exc)
+    try:
+        os.rmdir(path)
+        return None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return OSError(exc.errno, "a directory that is not empty stands where a file belongs", path)
+        return detach(exc)
 

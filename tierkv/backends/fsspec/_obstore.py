@@ -322,12 +322,13 @@ class ObstoreDriver(RequestDriver):
 
         await self._gather(touch, [(p,) for p in paths])
 
-    async def delete_many(self, paths: list[str]) -> None:
-        """DELETE requests."""
+    async def delete_many(self, paths: list[str]) -> list[BaseException | None]:
+        """DELETE requests, each on its own."""
         async def delete(path: str) -> None:
             await self._call(self.obs.delete_async, self._key(path))
 
-        await self._gather(delete, [(p,) for p in paths])
+        res = await self._gather(delete, [(p,) for p in paths])
+        return [r if isinstance(r, BaseException) else None for r in res]
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """A recursive listing (one paginated call: ``pause`` is not asked)."""

@@ -59,17 +59,19 @@ class SyncDriver(Driver):
         """``fs.isfile`` per path."""
         return await self._blocking(lambda: [bool(self.fs.isfile(p)) for p in paths])
 
-    async def delete_many(self, paths: list[str]) -> None:
-        """``fs.rm_file`` per path."""
+    async def delete_many(self, paths: list[str]) -> list[BaseException | None]:
+        """``fs.rm_file`` per path, each on its own."""
 
-        def rm() -> None:
-            for p in paths:
-                try:
-                    self.fs.rm_file(p)
-                except FileNotFoundError:
-                    pass
+        def rm(path: str) -> BaseException | None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # any file system's error is this path's
+                return detach(exc)
+            return None
 
-        await self._blocking(rm)
+        return await self._blocking(lambda: [rm(p) for p in paths])
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """``fs.find`` with details (one call: ``pause`` is not asked)."""
@@ -303,9 +305,10 @@ class AsyncDriver(RequestDriver):
 
         await self._gather(touch, [(p,) for p in paths])
 
-    async def delete_many(self, paths: list[str]) -> None:
-        """DELETE requests."""
-        await self._gather(self.fs._rm_file, [(p,) for p in paths])
+    async def delete_many(self, paths: list[str]) -> list[BaseException | None]:
+        """DELETE requests, each on its own."""
+        res = await self._gather(self.fs._rm_file, [(p,) for p in paths])
+        return [r if isinstance(r, BaseException) else None for r in res]
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """A recursive listing (one paginated call: ``pause`` is not asked)."""

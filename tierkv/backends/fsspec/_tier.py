@@ -272,8 +272,9 @@ class FsspecTier(Tier):
             stale = [e.path for e, rel, _ in listing.temps
                      if temp_owner_alive(rel.rpartition("/")[2]) is False or e.mtime < old]
             if stale:
-                await self.driver.delete_many(stale)
-                self.count("temp_removed", len(stale))
+                gone, failed = await self._remove(stale)
+                self.count("temp_removed", len(gone))
+                self._warn_batch("removing stale temporary files", [e for _, e in failed], len(stale))
             records = listing.records.get(self.context.fingerprint, [])
             found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
                                                 if is_record_name(rel.rpartition("/")[2])), started, written)
@@ -294,13 +295,12 @@ class FsspecTier(Tier):
         self._evicting = True
         try:
             while victims := self._ledger.victims():
-                try:
-                    await self.driver.delete_many(victims)
-                except Exception as exc:
-                    self._warn("evicting records", exc)
-                    self.count("evict_errors")
-                self.count("evictions", len(victims))
-                self.notify("removed", keys_of(victims))
+                gone, failed = await self._remove(victims)
+                if failed:
+                    self.count("evict_errors", len(failed))
+                    self._warn_batch("evicting records", [e for _, e in failed], len(victims))
+                self.count("evictions", len(gone))
+                self.notify("removed", keys_of(gone))
         finally:
             self._evicting = False
 
@@ -404,25 +404,15 @@ class FsspecTier(Tier):
             self._ledger.forget(path)
         for k, verdict in reads.refused:
             self._refusals.refused(k, verdict)
-        corrupt = []
-        for path, k, reason in reads.corrupt:
+        for _, _, reason in reads.corrupt:
             self.count("corrupt")
             self.count(f"corrupt_{reason}")
-            log.warning("corrupt record (%s) in %s: %s removed", reason, self.describe(), k.hex())
-            corrupt.append(path)
         self._warn_batch("reading records", reads.errors, len(keys))
         # records not known yet were another process's, or not listed yet
         learned, touch = self._ledger.read_many(reads.read_paths[::-1], reads.read_sizes[::-1], time.time())
         touch.reverse()  # in key order again: the first the newest (see the driver's touch_many)
-        if corrupt:
-            for path in corrupt:
-                self._ledger.forget(path)
-            try:
-                await self.driver.delete_many(corrupt)
-                self.count("corrupt_removed", len(corrupt))
-            except Exception as exc:
-                self._warn("removing corrupt records", exc)
-            self.notify("removed", keys_of(corrupt))
+        if reads.corrupt:
+            await self._remove_corrupt(reads.corrupt)
         if touch and self.cfg.capacity_bytes is not None:
             try:
                 await self.driver.touch_many(touch)
@@ -431,6 +421,35 @@ class FsspecTier(Tier):
         if learned:
             await self._evict()
         return reads.found
+
+    async def _remove(self, paths: list[str]) -> tuple[list[str], list[tuple[str, BaseException]]]:
+        """Delete ``paths``, each on its own: those gone, and those kept with the error that kept
+        them (a failed call keeps them all; ``remove_errors`` counts every path kept)."""
+        try:
+            errors = await self.driver.delete_many(paths)
+        except Exception as exc:
+            errors = [exc] * len(paths)
+        gone = [p for p, e in zip(paths, errors, strict=True) if e is None]
+        failed = [(p, e) for p, e in zip(paths, errors, strict=True) if e is not None]
+        if failed:
+            self.count("remove_errors", len(failed))
+        return gone, failed
+
+    async def _remove_corrupt(self, corrupt: list[tuple[str, bytes, str]]) -> None:
+        """Remove the records a read found damaged; one line each says whether it went."""
+        paths = [path for path, _, _ in corrupt]
+        for path in paths:
+            self._ledger.forget(path)
+        gone, failed = await self._remove(paths)
+        kept = dict(failed)
+        for path, k, reason in corrupt:
+            if path in kept:
+                log.warning("corrupt record (%s) in %s: %s could not be removed: %s", reason, self.describe(),
+                            k.hex(), self._redact.error(kept[path]))
+            else:
+                log.warning("corrupt record (%s) in %s: %s removed", reason, self.describe(), k.hex())
+        self.count("corrupt_removed", len(gone))
+        self.notify("removed", [k for path, k, _ in corrupt if path not in kept])
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Whether each record exists (a later ``get`` still verifies it).
@@ -458,11 +477,11 @@ class FsspecTier(Tier):
         paths = [self.path(k) for k in keys]
         for p in paths:
             self._ledger.forget(p)
-        try:
-            await self.driver.delete_many(paths)
-        except Exception as exc:
-            raise self._error("deleting records", exc) from None
-        self.notify("removed", list(keys))
+        gone, failed = await self._remove(paths)
+        removed = set(gone)
+        self.notify("removed", [k for k, p in zip(keys, paths, strict=True) if p in removed])
+        if failed:
+            raise self._error(f"deleting {len(failed)} of {len(paths)} records", failed[0][1])
 
     async def list_keys(self, group: int) -> list[bytes]:
         """Keys of every record of ``group`` in this namespace."""
