@@ -2,8 +2,10 @@
 
 Each registered host pool becomes one group, in registration order (the KV pool first): ``kv`` and
 other per-token pools are ``full``, ``mamba`` is ``recurrent``, ``swa`` pools are
-``sliding_window`` with ``window_pages`` pages. The namespace names the model, the ranks and every
-pool's stored page format, so two deployments never read each other's pages.
+``sliding_window`` with ``window_pages`` pages. The namespace is the engine fingerprint
+(:mod:`tierkv.adapters.sglang.fingerprint`: model, weights revision, quantization, KV cache dtype,
+every pool's stored page format, attention backend, tokenizer) and the ranks, so two deployments
+never read each other's pages.
 
 Rank-replicated models (MLA: SGLang's ``is_mla_model``) keep one copy per rank group: the
 namespace leaves the TP rank out, only SGLang's storage writer rank stores replicated pools, and
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierkv import ConfigError, GroupSpec, Layout
+from tierkv.adapters.fingerprint import engine_namespace
 from tierkv.adapters.sglang.config import DEFAULT_CPU_MAX, DEFAULT_CPU_MIN, PREFIX, SGLangConfig
+from tierkv.adapters.sglang.fingerprint import fingerprint_fields
 from tierkv.adapters.sglang.pages import PageCodec, codec_for
 
 __all__ = ["PoolGroup", "StorePlan", "default_cpu_bytes", "kind_of", "plan_store", "rank_identity"]
@@ -61,18 +65,16 @@ def kind_of(name: str, settings: SGLangConfig) -> str:
     return "sliding_window" if name in _SLIDING else "full"
 
 
-def rank_identity(storage_config: Any) -> tuple[str, bool]:
-    """The part of the namespace that names the model and this rank, and whether the model's KV is
-    replicated across TP ranks (then the TP rank is left out: one copy per rank group)."""
+def rank_identity(storage_config: Any) -> tuple[dict[str, str], bool]:
+    """The namespace fields that name this rank, and whether the model's KV is replicated across
+    TP ranks (then the TP rank is left out: one copy per rank group)."""
     sc = storage_config
     replicated = bool(sc.is_mla_model)
-    parts = [f"model={sc.model_name or ''}"]
-    if not replicated:
-        parts.append(f"tp={sc.tp_rank}/{sc.tp_size}")
-    parts += [f"pp={sc.pp_rank}/{sc.pp_size}", f"cp={sc.attn_cp_rank}/{sc.attn_cp_size}",
-              f"dp={getattr(sc, 'dp_rank', 0)}",
-              f"dcp={getattr(sc, 'dcp_rank', 0)}/{getattr(sc, 'dcp_size', 1)}"]
-    return "|".join(parts), replicated
+    parts = {} if replicated else {"tp": f"{sc.tp_rank}/{sc.tp_size}"}
+    parts.update({"pp": f"{sc.pp_rank}/{sc.pp_size}", "cp": f"{sc.attn_cp_rank}/{sc.attn_cp_size}",
+                  "dp": f"{getattr(sc, 'dp_rank', 0)}",
+                  "dcp": f"{getattr(sc, 'dcp_rank', 0)}/{getattr(sc, 'dcp_size', 1)}"})
+    return parts, replicated
 
 
 def _check_names(settings: SGLangConfig, names: list[str]) -> None:
@@ -101,9 +103,11 @@ def default_cpu_bytes(pools: Mapping[str, Any], groups: Mapping[str, PoolGroup],
     return max(floor, min(DEFAULT_CPU_MAX, max(DEFAULT_CPU_MIN, host // 4)))
 
 
-def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config: Any) -> StorePlan:
+def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config: Any,
+               server_args: Any = None) -> StorePlan:
     """Groups, layout, namespace and store config for the host pools SGLang registered
-    (name -> pool, the KV pool first); :class:`ConfigError` names a missing or bad key."""
+    (name -> pool, the KV pool first); :class:`ConfigError` names a missing or bad key.
+    ``server_args``: SGLang's (for the engine fingerprint; None: those fields are unknown)."""
     names = list(pools)
     if not names:
         raise ConfigError("no host pool was registered with the tierkv storage backend")
@@ -130,9 +134,8 @@ def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config:
     anchor = groups["kv"] if "kv" in groups else groups[names[0]]
     layout = Layout(tokens_per_block=anchor.codec.page_size, groups=specs)
     pool_part = ";".join(f"{g.name}={g.codec.describe}" for g in groups.values())
-    namespace = f"sglang|{identity}|pools={pool_part}"
-    if settings.namespace:
-        namespace += f"|{settings.namespace}"
+    fields = {**fingerprint_fields(storage_config, server_args, pool_part), **identity}
+    namespace = engine_namespace(fields, settings.namespace)
     cpu_bytes = settings.cpu_bytes_to_use or default_cpu_bytes(pools, groups, settings)
     primary: dict[str, Any] = {"kind": "cpu", "capacity_bytes": cpu_bytes}
     if settings.slots:

@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 
 from tierkv import StoreStats, TieredStore
 from tierkv.adapters.sglang.config import SGLangConfig
+from tierkv.adapters.sglang.fingerprint import current_server_args
 from tierkv.adapters.sglang.groups import PoolGroup, StorePlan, plan_store
 from tierkv.adapters.sglang.hits import PoolQuery, usable_prefix
 from tierkv.adapters.sglang.keys import page_hashes
@@ -98,7 +99,7 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 pools = {_name(k): v for k, v in self.registered_pools.items()}
                 if self.mem_pool_host is not None and KV not in pools:
                     pools = {KV: self.mem_pool_host, **pools}
-                plan = plan_store(pools, self.settings, self.storage_config)
+                plan = plan_store(pools, self.settings, self.storage_config, current_server_args())
                 runner = StoreRunner(plan.store_config)
                 self._runner, self._transfers = runner, Transfers(runner)
                 self.plan = plan

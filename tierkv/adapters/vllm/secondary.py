@@ -27,13 +27,21 @@ What it stores
 Namespace
     Records live under a directory named by the fingerprint of a tierkv :class:`~tierkv.Layout`
     (one ``full`` group of ``block_size_bytes`` per offloaded KV cache group at its original group
-    index, ``scratch`` for the indices vLLM does not offload) within a namespace made of the model
-    name, the KV cache dtype, ``tokens_per_hash``, the rank, plus the chunking and parallel layout
-    (blocks per chunk, tokens per block of each group, world / TP / PP / PCP / DCP sizes, KV cache
-    layout, canonical and replicated layout flags) and the optional user ``namespace``. vLLM's block
-    hashes do not depend on the model, so without this two models with the same prompt would share
-    keys; with it, a different model, dtype or layout never sees another's records (and a record
-    that reached the wrong directory still fails its fingerprint check and is a miss).
+    index, ``scratch`` for the indices vLLM does not offload) within a namespace made of the engine
+    fingerprint (:mod:`tierkv.adapters.vllm.fingerprint`: model, weights revision, quantization, KV
+    cache dtype, KV layout, hash algorithm, tokenizer), ``tokens_per_hash``, the rank, the chunking
+    and parallel layout (blocks per chunk, tokens per block of each group, world / TP / PP / PCP /
+    DCP sizes, KV cache layout, canonical and replicated layout flags) and the optional user
+    ``namespace``. vLLM's block hashes do not depend on the model, so without this two models with
+    the same prompt would share keys; with it, a different model, revision, dtype or layout never
+    sees another's records (and a record that reached the wrong directory still fails its
+    fingerprint check and is a miss).
+
+Reproducible hashes
+    With ``prefix_caching_hash_algo`` ``xxhash`` or ``xxhash_cbor`` and no ``PYTHONHASHSEED``, vLLM
+    seeds its block hashes randomly in each process: nothing this tier writes could be found by
+    another process, so the tier refuses to start (:class:`~tierkv.errors.ConfigError` naming the
+    fix: set ``PYTHONHASHSEED``, or use ``sha256``).
 
 Semantics (vLLM's ``SecondaryTierManager`` contract)
     - ``lookup`` never blocks: HIT when the record is known present (this process wrote, read or
@@ -117,6 +125,8 @@ from tierkv.adapter import (
     release_shared,
     tier_samples,
 )
+from tierkv.adapters.fingerprint import engine_namespace
+from tierkv.adapters.vllm.fingerprint import check_hashes, engine_configs, fingerprint_fields, hash_algo
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
 
 if TYPE_CHECKING:
@@ -188,9 +198,11 @@ def _parse_config(cfg: dict[str, Any], tier_type: str) -> TierKVSecondaryTierCon
         raise ConfigError(f"secondary tier {tier_type!r}: invalid configuration: {problems}") from None
 
 
-def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespace: str = "") -> tuple[
-        Layout, str]:
-    """The tierkv layout and namespace string for a vLLM ``OffloadingSpec`` (see the module doc)."""
+def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespace: str = "",
+                           engine: tuple[Any, Any] | None = None) -> tuple[Layout, str]:
+    """The tierkv layout and namespace string for a vLLM ``OffloadingSpec`` (see the module doc);
+    ``engine`` is ``(VllmConfig, KVCacheConfig)`` (default: found by
+    :func:`~tierkv.adapters.vllm.fingerprint.engine_configs`)."""
     config = getattr(offloading_spec, "config", None)
     if config is None or not getattr(config, "groups", None):
         raise ConfigError("TierKVSecondaryTier needs vLLM's OffloadingSpec (with config.groups)")
@@ -202,25 +214,26 @@ def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespac
     chunk_tokens = [int(g.tokens_per_block) * bpc for g in config.groups]
     layout = Layout(tokens_per_block=chunk_tokens[0], groups=groups)
     par = config.parallel
-    parts = {
-        "model": config.model.name,
-        "dtype": config.model.dtype,
+    if engine is None:
+        engine = engine_configs()
+    vllm_config, kv_cache_config = engine
+    parts: dict[str, Any] = {
+        **fingerprint_fields(config, vllm_config, kv_cache_config, sorted(offloaded)),
+        "engine": "vllm-tiering",
         "tokens_per_hash": config.cache.tokens_per_hash,
         "rank": par.rank,
         "blocks_per_chunk": bpc,
         "group_tokens": ",".join(f"{g.group_id}:{g.tokens_per_block}" for g in config.groups),
-        "world": par.world_size,
+        "world_size": par.world_size,
         "tp": par.tp_size,
         "pp": par.pp_size,
         "pcp": par.pcp_size,
         "dcp": par.dcp_size,
-        "kv_layout": getattr(config, "kv_cache_layout", None),
+        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
         "canonical": bool(getattr(config, "canonical_layout", False)),
         "replicated": bool(getattr(offloading_spec, "replicated_layout", False)),
-        "user": user_namespace,
     }
-    namespace = "vllm-tiering|" + "|".join(f"{k}={v}" for k, v in parts.items())
-    return layout, namespace
+    return layout, engine_namespace(parts, user_namespace)
 
 
 #: the metrics :meth:`TierKVSecondaryTier.get_stats` reports (tierkv's one naming scheme, labelled
@@ -256,8 +269,12 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
         view = memoryview(primary_kv_view)
         if not view.c_contiguous or view.nbytes % block:
             raise ConfigError("TierKVSecondaryTier needs a C-contiguous primary memoryview of whole rows")
+        engine = engine_configs()
+        # a persistent tier is pointless (and fills up) when vLLM seeds its hashes per process
+        check_hashes(hash_algo(engine[0]), [f"secondary tier {tier_type} {redact_url(self.settings.url)}"],
+                     f"secondary tier {tier_type!r}")
         self.layout, self.namespace = build_namespace_layout(offloading_spec, block,
-                                                             self.settings.namespace)
+                                                             self.settings.namespace, engine)
         self.fingerprint = self.layout.fingerprint(self.namespace)
         self._groups = frozenset(self.layout.cacheable_groups)
         self._rows: torch.Tensor | None = torch.from_numpy(

@@ -26,8 +26,16 @@ from vllm.v1.kv_offload.base import (
 
 from tierkv import ConfigError, Layout, plan_pools
 from tierkv.adapter import all_metrics, cap_switch_interval, shared_pool_tensors
+from tierkv.adapters.fingerprint import engine_namespace, persistent_tiers
 from tierkv.adapters.vllm.config import AdapterConfig
 from tierkv.adapters.vllm.cpu import cpu_kv_format, ensure_amx_permission
+from tierkv.adapters.vllm.fingerprint import (
+    attention_backends,
+    check_hashes,
+    engine_configs,
+    fingerprint_fields,
+    hash_algo,
+)
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
@@ -66,13 +74,29 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         engine = _UNSAFE.sub("_", str(config.engine_id))[:96]
         self.shm_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.pool")
         self.manifest_path = os.path.join(self.settings.shm_dir, f"tierkv-{engine}.json")
-        model = config.model
         from vllm.platforms import current_platform
 
-        kv_format = cpu_kv_format(bool(current_platform.is_cpu()))
-        self.namespace = "|".join([str(model.name), str(model.dtype), f"ws{self.world_size}",
-                                   *([kv_format] if kv_format else []), self.settings.namespace])
+        self.kv_format = cpu_kv_format(bool(current_platform.is_cpu()))
+        #: the engine's config objects, for the fingerprint (tierkv/adapters/vllm/fingerprint.py)
+        self._vllm_config, self._kv_cache_config = engine_configs()
+        #: vLLM seeds its block hashes per process and no tier outlives it (refused otherwise)
+        self.volatile_hashes = check_hashes(hash_algo(self._vllm_config),
+                                            persistent_tiers(self.settings.tiers),
+                                            "kv_connector_extra_config.tiers")
+        #: the attention backends the worker's model uses, from its manifest (scheduler side)
+        self._backends: str | None = None
+        self._namespace: str | None = None
         self._manager: TierKVOffloadingManager | None = None
+
+    @property
+    def namespace(self) -> str:
+        """The namespace of the store: the engine fingerprint plus the ``namespace`` setting
+        (docs/design.md, "What a key means"); built on first use."""
+        if self._namespace is None:
+            fields = fingerprint_fields(self.config, self._vllm_config, self._kv_cache_config,
+                                        self.group_ids, self.kv_format, self._backends)
+            self._namespace = engine_namespace(fields, self.settings.namespace)
+        return self._namespace
 
     def _layout(self, block_bytes: dict[int, int]) -> Layout:
         s = self.settings
@@ -89,7 +113,8 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                           self.settings.slots)
         manifest = {"format": "tierkv-vllm-manifest-v1", "pid": os.getpid(), "time": time.time(),
                     "layout": layout.model_dump(mode="json"), "slots": plan.slots(),
-                    "plan": plan.model_dump(mode="json")}
+                    "plan": plan.model_dump(mode="json"),
+                    "attention_backends": attention_backends(self._vllm_config, self.config.groups)}
         pools = shared_pool_tensors(self.shm_path, plan)
         if self.rank == 0:
             tmp = f"{self.manifest_path}.{os.getpid()}.tmp"
@@ -128,8 +153,16 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         else:
             layout = Layout.model_validate(manifest["layout"])
             slots = {int(g): int(n) for g, n in manifest["slots"].items()}
+            self._backends = str(manifest.get("attention_backends") or "") or None
+            self._namespace = None
         s = self.settings
         cap_switch_interval(s.gil_switch_interval_s)
+        if self.volatile_hashes:
+            log.warning("tierkv: vLLM's prefix_caching_hash_algo is %s and PYTHONHASHSEED is not set: block "
+                        "hashes are seeded per process, so tierkv's CPU pool serves this process only and "
+                        "nothing in it outlives the process (set PYTHONHASHSEED, or use sha256, before "
+                        "adding a persistent tier)", hash_algo(self._vllm_config))
+        log.info("tierkv namespace: %s", self.namespace)
         store_config = {
             "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
             "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
