@@ -2,9 +2,10 @@
 
 The tier's own process contributes the segment the objects live in. Covered: the conformance
 suite; restores through a TieredStore; objects the master evicted (misses, never errors, never
-PENDING for ever); damaged and truncated objects (counted misses, removed); the master killed under
-a running store, restarted, and down at start. Where Mooncake (the wheel, its OS libraries, the
-master binary) is missing, every test here says what is missing and skips.
+PENDING for ever); damaged and truncated objects (counted misses, removed); objects a killed writer
+left unfinished (written over); the master killed under a running store, restarted (writes while
+it has no segment again wait in the retry queue), and down at start. Where Mooncake (the wheel,
+its OS libraries, the master binary) is missing, every test here says what is missing and skips.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tierkv.errors import BackendNotFound
 from tierkv.keys import make_key
 from tierkv.record import decode_record, encode_record, read_header
 from tierkv.testing import TierTests, conformance_layout
-from tierkv.testing.mooncake import MooncakeMaster, missing
+from tierkv.testing.mooncake import MooncakeMaster, UnfinishedPuts, missing
 
 __all__ = ["logs"]
 
@@ -255,6 +256,45 @@ async def test_damaged_objects_are_counted_misses_and_removed(master: MooncakeMa
         assert await tier.contains(FULL, ks) == [False] * 7 + [True] * 2
 
 
+@needs_mooncake
+@pytest.mark.anyio
+async def test_blocks_a_killed_writer_left_unfinished_are_written_over_never_counted_held(
+        master: MooncakeMaster) -> None:
+    """Another node started puts of the same blocks and was killed before it ended them: the master
+    holds the names unfinished (Mooncake answers a put of such a name with success, and lets the
+    unfinished put go only 30 s later). Lookups meanwhile are misses; this store's put writes them
+    over, counts them stored only once the master holds them complete, and they read back
+    identical at once."""
+    layout = one_group(64 << 10)
+    hs, data = hashes(12, salt=9), rand_blocks(12, 64 << 10, seed=9)
+    async with TieredStore(store_cfg(master.endpoint, layout, slots=16)) as store:
+        tier = store.tiers[1]
+        ks = [make_key(h, FULL) for h in hs]
+        fp = tier.context.fingerprint
+        sizes = [len(encode_record(key=k, fingerprint=fp, payload=d.numpy().tobytes()))
+                 for k, d in zip(ks, data, strict=True)]
+        with UnfinishedPuts(master, [tier.name(k) for k in ks], sizes) as writer:  # type: ignore[attr-defined]
+            writer.kill()
+        assert await tier.contains(FULL, ks) == [False] * 12, "an unfinished object is not there to read"
+        with anyio.fail_after(30):
+            assert await settle(store, hs, "before") == [Lookup.MISS] * 12
+        store.release("before")
+
+        await store.put(FULL, hs, data)
+        await store.flush()
+        st = store.stats().tiers[1]
+        assert st.stores == 12 and st.stores_failed == 0, st
+        store.engine.clear()
+        with anyio.fail_after(30):
+            res = await settle(store, hs, "after")
+            assert res == [Lookup.HIT] * 12, f"counted stored, yet not there to read: {res}"
+            out = torch.zeros_like(data)
+            await store.get(FULL, hs, out, request_id="after")
+        store.release("after")
+        assert torch.equal(out, data)
+        assert store.stats().tiers[1].backend.get("replaced") == 12, store.stats().tiers[1].backend
+
+
 # ---- failures of the master ----------------------------------------------------------------------------
 @needs_mooncake
 @pytest.mark.anyio
@@ -313,6 +353,63 @@ async def test_a_store_rides_out_a_killed_master_and_recovers_by_itself(own_mast
         t0 = time.monotonic()
         await store.close()
         assert time.monotonic() - t0 < 5 + 5, "close is bounded by close_timeout_s"
+
+
+@needs_mooncake
+@pytest.mark.anyio
+async def test_writes_while_a_restarted_master_has_no_segment_wait_and_land(
+        own_master: MooncakeMaster) -> None:
+    """The master killed for 5 s under a store writing steadily, then restarted: it holds no
+    segment until the client mounts this process's again (its next heartbeat, seconds), and
+    answers each write "no room" meanwhile. That is not a full pool: the tier is taken for not
+    answering, the writes wait in the retry queue, and once the master takes writes again every
+    block put after it returned is stored and reads back identical; nothing counted pool_full."""
+    bb = 64 << 10
+    layout = one_group(bb)
+    store = TieredStore(store_cfg(own_master.endpoint, layout, slots=1024, close_timeout_s=5,
+                                  segment_bytes=128 * MIB))  # room for every block: no pool is full here
+    await store.open()
+    salt = iter(range(20, 250))
+
+    async def write(batches: int) -> tuple[list[bytes], list[torch.Tensor]]:
+        hs_all, rows = [], []
+        for _ in range(batches):
+            s = next(salt)
+            hs, data = hashes(8, salt=s), rand_blocks(8, bb, seed=s)
+            await store.put(FULL, hs, data)
+            hs_all += hs
+            rows.append(data)
+            await anyio.sleep(0.05)
+        return hs_all, rows
+
+    try:
+        await write(2)
+        await store.flush()
+        own_master.kill()
+        with anyio.move_on_after(5):
+            while True:
+                await write(1)
+        own_master.start()
+        after, rows = await write(16)
+        deadline = time.monotonic() + 30
+        while not await _all_in_tier(store, after) and time.monotonic() < deadline:
+            await store.flush()
+            await anyio.sleep(0.2)
+        landed = await store.tiers[1].contains(FULL, [make_key(h, FULL) for h in after])
+        st = store.stats().tiers[1]
+        assert all(landed), f"{landed.count(False)} of {len(after)} blocks put after the master returned " \
+                            f"never landed: {st}"
+        assert st.backend.get("pool_full", 0) == 0, f"a master without segments is not a full pool: {st}"
+        assert st.up == 1 and st.stores_requeued > 0, st
+        store.engine.clear()
+        out = torch.zeros((len(after), bb), dtype=torch.uint8)
+        with anyio.fail_after(30):
+            await settle(store, after, "back")
+            await store.get(FULL, after, out, request_id="back")
+        store.release("back")
+        assert torch.equal(out, torch.cat(rows))
+    finally:
+        await store.close()
 
 
 @needs_mooncake

@@ -6,6 +6,9 @@
 SIGKILLs it (every object's placement goes with it), ``restart()`` starts it again on the same
 port, ``close()`` stops it for good.
 
+:class:`UnfinishedPuts` is a process that starts puts on a master and never finishes them, until
+it is killed: what a node killed in the middle of a put leaves behind.
+
 The binary comes from the ``mooncake-transfer-engine-non-cuda`` wheel (the ``mooncake`` extra),
 which puts ``mooncake_master`` next to the interpreter; ``$MOONCAKE_MASTER_BIN`` overrides, ``PATH``
 is the last resort. :func:`missing` says what is missing (the binary, the client library or the
@@ -15,19 +18,22 @@ OS libraries it links), or None.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.errors import install_hint
 from tierkv.testing.processes import free_ports, kill_group, spawn
 
-__all__ = ["OS_PACKAGES", "MooncakeMaster", "StorageNode", "find_master", "missing"]
+__all__ = ["OS_PACKAGES", "MooncakeMaster", "StorageNode", "UnfinishedPuts", "find_master", "missing"]
 
 #: Debian packages the wheel's libraries link against
 OS_PACKAGES = ("libcurl4", "libibverbs1", "librdmacm1", "rdma-core", "libnuma1", "liburing2")
@@ -175,6 +181,74 @@ class StorageNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: the process of :class:`UnfinishedPuts`: a client that contributes no memory starts the puts
+#: (Mooncake's put session: the master places each object and holds it as being written) and
+#: waits to be killed
+_UNFINISHED = """
+import json, sys, time
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+spec = json.loads(sys.stdin.readline())
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", spec["master"])
+codes = []
+if rc == 0:
+    codes = list(store.batch_put_session_start(spec["names"], spec["sizes"], ReplicateConfig()))
+print(json.dumps({"setup": rc, "codes": codes}), flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+class UnfinishedPuts:
+    """A process that starts puts of ``names`` (``sizes`` bytes each) on ``master`` and never ends
+    them, until :meth:`kill`: the master holds each name as being written, not readable, as it
+    does after a node was killed in the middle of a put (Mooncake lets the unfinished put go only
+    when another one starts, ``put_start_discard_timeout_sec`` later, 30 s by default)."""
+
+    def __init__(self, master: MooncakeMaster, names: Sequence[str], sizes: Sequence[int]) -> None:
+        self.master = master
+        self.names = list(names)
+        self.sizes = list(sizes)
+        self.log_path = master.log_path.with_name(f"mooncake-unfinished-{os.getpid()}-{id(self):x}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> UnfinishedPuts:
+        """Start the process; return once every put has started (RuntimeError saying why not)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = spawn([sys.executable, "-c", _UNFINISHED], log, dict(os.environ),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"master": self.master.endpoint, "names": self.names,
+                                          "sizes": self.sizes}).encode() + b"\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
+        line = self.proc.stdout.readline() if ready else b""
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not answer or answer["setup"] != 0 or any(c != 0 for c in answer["codes"]):
+            self.kill()
+            raise RuntimeError(f"the unfinished puts did not start ({answer or 'no answer'}); "
+                               f"see {self.log_path}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the process (the puts stay unfinished on the master)."""
+        if self.proc is not None:
+            kill_group(self.proc)
+            for f in (self.proc.stdin, self.proc.stdout):
+                if f is not None:
+                    f.close()
+            self.proc = None
+
+    def __enter__(self) -> UnfinishedPuts:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
 
 
 def _all_stopped(pid: int) -> bool | None:

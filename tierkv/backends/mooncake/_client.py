@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,8 @@ from tierkv.backends.mooncake._config import MooncakeTierConfig, split_endpoint
 from tierkv.errors import BackendError, CorruptRecord, TierUnavailable
 from tierkv.record import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
 
-__all__ = ["ABSENT", "DOWN_CODES", "MooncakeClient", "Verdicts", "probe_master"]
+__all__ = ["ABSENT", "DOWN_CODES", "INCOMPLETE", "NOT_MOUNTED", "MooncakeClient", "Verdicts", "Writes",
+           "probe_master"]
 
 #: Mooncake's status codes that matter here (mooncake-store/include/types.h)
 NO_AVAILABLE_HANDLE = -200
@@ -37,6 +39,15 @@ DOWN_CODES = frozenset({-900, -901, -902, -1010, -1011})
 ABSENT = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, -710, -712})
 RPC_FAIL = -900
 ELEM_SIZE = 2
+#: tierkv's own codes in :attr:`Writes.codes`. NOT_MOUNTED: Mooncake's "no room" (-200) while the
+#: master has not taken a write since it went away: a restarted master holds no segment until the
+#: nodes mount theirs again, so the pool is not full, it is not there yet
+NOT_MOUNTED = -1_000_200
+#: written, yet the master does not hold the object complete afterwards, even written over: a put
+#: of another process that died (or is still running) holds the name unfinished
+INCOMPLETE = -1_000_703
+#: the names of the objects a health check writes (and removes) to see that the pool takes writes
+PROBE_PREFIX = "tierkv-health-probe"
 
 
 def probe_master(endpoint: str, timeout_s: float) -> None:
@@ -59,6 +70,16 @@ class Verdicts:
     down: int = 0
     transfer_errors: int = 0
     removed: int = 0
+
+
+@dataclass
+class Writes:
+    """What one batch write did: per key 0 (the master holds the object complete, asked after the
+    write) or a status code (Mooncake's, :data:`NOT_MOUNTED` or :data:`INCOMPLETE`); and how many
+    objects another writer had left unfinished were written over."""
+
+    codes: list[int]
+    replaced: int = 0
 
 
 _tls = threading.local()
@@ -86,6 +107,10 @@ class MooncakeClient:
         self._lock = threading.Lock()
         self._registered: dict[int, list[int]] = {}  # ptr -> [size, users]
         self.closed = False
+        #: the master did not answer a call since a write last went through: a master that
+        #: restarted holds no segment until the nodes mount theirs again (their next heartbeat),
+        #: so "no room" (-200) then says the pool is not there yet, not that it is full
+        self.master_lost = False
 
     def setup(self) -> None:
         """Connect to the master and mount this process's segment; raises with the master's
@@ -125,26 +150,66 @@ class MooncakeClient:
                     self.store.unregister_buffer(ptr)
 
     # ---- batches ----------------------------------------------------------------------------------
-    def exist(self, names: list[str]) -> list[int]:
-        """Per name: 1 held, 0 not, negative: a Mooncake status code."""
-        codes = list(self.store.batch_is_exist(names))
-        if _all_down(codes):  # a connection to a master that restarted fails once, then reconnects
-            codes = list(self.store.batch_is_exist(names))
+    def _batch(self, call: Callable[[], Sequence[int]]) -> list[int]:
+        """One batch call, tried once more when every key failed with RPC_FAIL (a connection to a
+        master that restarted fails once, then reconnects). A key that failed because the master
+        did not answer marks it lost (:attr:`master_lost`)."""
+        codes = list(call())
+        if _all_down(codes):
+            self.master_lost = True
+            codes = list(call())
+        if any(c in DOWN_CODES for c in codes):
+            self.master_lost = True
         return codes
+
+    def exist(self, names: list[str]) -> list[int]:
+        """Per name: 1 held (complete), 0 not (or not complete), negative: a status code."""
+        return self._batch(lambda: self.store.batch_is_exist(names))
 
     def remove(self, names: list[str]) -> list[int]:
         """Remove objects, leases or not (a damaged record, a delete); per name a status code."""
-        return list(self.store.batch_remove(names, True))
+        return self._batch(lambda: self.store.batch_remove(names, True))
 
-    def check(self) -> None:
-        """Raise unless the master answers a presence query."""
-        (code,) = self.exist(["tierkv-health-check"])
+    def check(self) -> str | None:
+        """Why the tier cannot be used now, or None: the master does not answer a presence query;
+        or, once it was lost, it does not take a write (a probe object, removed again): a master
+        that restarted does once a segment is mounted on it again. (Returned, not raised: a check
+        that ends after its caller gave up on it leaves no error behind.)"""
+        (code,) = self.exist([PROBE_PREFIX])
         if code < 0:
-            raise TierUnavailable(f"mooncake master {self.cfg.master} does not answer (status {code})")
+            return f"mooncake master {self.cfg.master} does not answer (status {code})"
+        if not self.master_lost:
+            return None
+        name = f"{PROBE_PREFIX}/{uuid.uuid4().hex}"
+        code = self.store.put(name, b"tierkv health probe")
+        if code == 0:
+            (code,) = self._confirm([name], [0])
+            self.store.remove(name, True)
+        if code != 0:
+            why = "no segment is mounted on it yet" if code in (1, NO_AVAILABLE_HANDLE) else f"status {code}"
+            return f"mooncake master {self.cfg.master} answers again but takes no write: {why}"
+        self.master_lost = False
+        return None
 
-    def put(self, names: list[str], keys: Sequence[bytes], rows: np.ndarray, fingerprint: str) -> list[int]:
-        """Write one ``none`` record per row: header and trailer from a frame buffer, the block
-        from its row. Per key a status code (0: stored)."""
+    def _confirm(self, names: list[str], codes: list[int]) -> list[int]:
+        """``codes`` with each 0 checked: Mooncake answers 0 to a write of a name that exists
+        already, complete or not, so the master is asked which it holds complete. 0 stays 0 for
+        those, becomes 1 for those it does not (or a status code)."""
+        asked = [i for i, c in enumerate(codes) if c == 0]
+        if not asked:
+            return codes
+        found = self.exist([names[i] for i in asked])
+        out = list(codes)
+        for i, f in zip(asked, found, strict=True):
+            out[i] = 0 if f == 1 else 1 if f == 0 else f
+        return out
+
+    def put(self, names: list[str], keys: Sequence[bytes], rows: np.ndarray, fingerprint: str) -> Writes:
+        """Write one ``none`` record per row (header and trailer from a frame buffer, the block
+        from its row), then ask the master which it holds complete. A name another writer holds
+        unfinished (a put of a process that died, or one still running) is written over once
+        (Mooncake's upsert, which takes over an unfinished put); not complete even then:
+        :data:`INCOMPLETE`. "No room" while the master is lost: :data:`NOT_MOUNTED`."""
         n, block = rows.shape
         heads = []
         trailers = []
@@ -159,6 +224,7 @@ class MooncakeClient:
         row_ptr, stride = rows.ctypes.data, rows.strides[0]
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
+        offs = []
         off = 0
         for i in range(n):
             h = heads[i]
@@ -166,17 +232,33 @@ class MooncakeClient:
             frames[off + len(h):off + len(h) + TRAILER_LEN] = np.frombuffer(trailers[i], dtype=np.uint8)
             ptrs.append([base + off, row_ptr + i * stride, base + off + len(h)])
             sizes.append([len(h), block, TRAILER_LEN])
+            offs.append(off)
             off += len(h) + TRAILER_LEN
+        config = ReplicateConfig()
+        config.replica_num = self.cfg.replicas
         held = self._register([(base, frame_bytes), (row_ptr, n * stride)])
         try:
-            config = ReplicateConfig()
-            config.replica_num = self.cfg.replicas
-            codes = list(self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
-            if _all_down(codes):
-                codes = list(self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
-            return codes
+            codes = self._batch(lambda: self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
         finally:
             self._release(held)
+        codes = self._confirm(names, [0 if c == OBJECT_ALREADY_EXISTS else c for c in codes])
+        out = Writes(codes)
+        redo = [i for i, c in enumerate(codes) if c == 1]
+        if redo:
+            again = []
+            for i in redo:
+                o, hl = offs[i], len(heads[i])
+                again.append(self.store.upsert_parts(names[i], frames[o:o + hl].data, rows[i].data,
+                                                     frames[o + hl:o + hl + TRAILER_LEN].data, config=config))
+            for i, c in zip(redo, self._confirm([names[i] for i in redo], again), strict=True):
+                codes[i] = INCOMPLETE if c == 1 else c
+            out.replaced = sum(1 for i in redo if codes[i] == 0)
+        if 0 in codes:
+            self.master_lost = False  # a segment is mounted: "no room" says the pool is full again
+        elif NO_AVAILABLE_HANDLE in codes and (self.master_lost or self.store.health_check() != 0):
+            self.master_lost = True
+            out.codes = [NOT_MOUNTED if c == NO_AVAILABLE_HANDLE else c for c in codes]
+        return out
 
     def get(self, names: list[str], keys: Sequence[bytes], rows: np.ndarray, heads: Sequence[bytes],
             fingerprint: str) -> Verdicts:
@@ -199,9 +281,7 @@ class MooncakeClient:
             off += hl + TRAILER_LEN
         held = self._register([(base, frame_bytes), (row_ptr, n * stride)])
         try:
-            codes = list(self.store.batch_get_into_multi_buffers(names, ptrs, sizes, False))
-            if _all_down(codes):
-                codes = list(self.store.batch_get_into_multi_buffers(names, ptrs, sizes, False))
+            codes = self._batch(lambda: self.store.batch_get_into_multi_buffers(names, ptrs, sizes, False))
         finally:
             self._release(held)
         out = Verdicts(found=[None] * n)

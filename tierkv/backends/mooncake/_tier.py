@@ -13,7 +13,14 @@ never an error; presence is one batched query. Blocking Mooncake calls run on th
 threads; a master that does not answer makes calls fail (Mooncake's status codes), and the store's
 health machinery (:mod:`tierkv.availability`) takes the tier for down, then attaches it again once
 the master answers. Mooncake's client reconnects by itself and mounts its segment again on a master
-that restarted (empty: a master keeps its objects in memory).
+that restarted (empty: a master keeps its objects in memory), on its next heartbeat; until then the
+master answers writes "no room", which the tier, having seen the master go, takes for "not
+answering" (the writes wait in the store's retry queue) rather than a full pool, and its health
+check passes once the master takes a write again.
+
+Mooncake answers a write of a name that exists with success, complete or not (a put another
+process left unfinished, killed in the middle of it): each written name is asked for afterwards, and
+one not complete is written over (upsert) or counted as a failed store, never as stored.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, Tier
 from tierkv.backends.mooncake._client import (
     ABSENT,
     DOWN_CODES,
+    INCOMPLETE,
     NO_AVAILABLE_HANDLE,
-    OBJECT_ALREADY_EXISTS,
+    NOT_MOUNTED,
     MooncakeClient,
     Verdicts,
+    Writes,
     probe_master,
 )
 from tierkv.backends.mooncake._config import MooncakeTierConfig
@@ -158,9 +167,12 @@ class MooncakeTier(Tier):
         self._jobs = Jobs(self.count)
 
     async def check(self) -> None:
-        """Ask the master whether a probe object exists: raises when it does not answer."""
+        """Ask the master whether a probe object exists, and, after it went away, whether it takes
+        a write again: raises :class:`TierUnavailable` when it does not."""
         client = self.client
-        await self._run(client.check, buffers=False)
+        why = await self._run(client.check, buffers=False)
+        if why is not None:
+            raise TierUnavailable(why)
 
     def abandon(self) -> None:
         """See :meth:`Tier.abandon`."""
@@ -186,8 +198,15 @@ class MooncakeTier(Tier):
 
     # ---- Tier API ---------------------------------------------------------------------------------
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
-        """Write one record per block; per key whether it is held. A full pool whose objects are
-        all leased (``-200``) is a counted ``False``, as is a master that does not answer."""
+        """Write one record per block; per key whether the master holds it complete afterwards.
+
+        A full pool whose objects are all leased (``-200``) is a counted ``False``
+        (``pool_full``). A name another writer left unfinished is written over (``replaced``), or
+        a counted ``False`` (``incomplete``). Raises :class:`TierUnavailable` when no key was
+        written because the master does not answer, or because it came back without the
+        segments (a restarted master): the store then takes the tier for down and queues the
+        writes for when it takes writes again.
+        """
         if not keys:
             return []
         client = self.client
@@ -196,26 +215,40 @@ class MooncakeTier(Tier):
         names = [self.name(k) for k in keys]
         fp = self.context.fingerprint
         try:
-            codes = await self._run(lambda: client.put(names, keys, np_rows, fp), buffers=True)
+            w: Writes = await self._run(lambda: client.put(names, keys, np_rows, fp), buffers=True)
         except TierUnavailable:
             raise
         except Exception as exc:
             raise BackendError(f"storing records on {self.describe()} failed: {exc}") from None
-        ok = [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
-        down = sum(1 for c in codes if c in DOWN_CODES)
-        full = sum(1 for c in codes if c == NO_AVAILABLE_HANDLE)
+        codes = w.codes
+        ok = [c == 0 for c in codes]
+        down = sum(1 for c in codes if c in DOWN_CODES or c == NOT_MOUNTED)
+        unmounted = codes.count(NOT_MOUNTED)
+        full = codes.count(NO_AVAILABLE_HANDLE)
+        incomplete = codes.count(INCOMPLETE)
+        if w.replaced:
+            self.count("replaced", w.replaced)
         if down:
             self.count("unavailable_errors", down)
+        if unmounted:
+            self.count("not_mounted", unmounted)
         if full:
             self.count("pool_full", full)
-        failed = len(keys) - sum(ok) - down - full
+        if incomplete:
+            self.count("incomplete", incomplete)
+        failed = len(keys) - sum(ok) - down - full - incomplete
         if failed:
             self.count("write_errors", failed)
-        if len(keys) - sum(ok):
-            bad = next(c for c in codes if c != 0 and c != OBJECT_ALREADY_EXISTS)
-            log.warning("writing records: %d of %d on %s failed (status %d)", len(keys) - sum(ok), len(keys),
-                        self.describe(), bad)
         self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
+        if down == len(keys):
+            why = ("it answers again but no segment is mounted on it yet (status -200)" if unmounted
+                   else f"the master does not answer (status {codes[0]})")
+            raise TierUnavailable(f"writing records on {self.describe()}: {why}")
+        if len(keys) - sum(ok):
+            bad = next(c for c in codes if c != 0)
+            why = "left unfinished by another writer" if bad == INCOMPLETE else f"status {bad}"
+            log.warning("writing records: %d of %d on %s failed (%s)", len(keys) - sum(ok), len(keys),
+                        self.describe(), why)
         return ok
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
