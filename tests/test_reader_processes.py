@@ -547,17 +547,17 @@ def test_ctrl_c_ends_the_busy_restore_benchmark_and_its_helpers(tmp_path: Path) 
                              "--repeats", "200"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 120
-    while not marked(mark, "tierkv.backends.fsspec._readproc") and time.monotonic() < deadline:
+    while not marked(mark, "tierkv.backends.fsspec._readchild") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert marked(mark, "tierkv.backends.fsspec._readproc"), "no helper ever started"
+    assert marked(mark, "tierkv.backends.fsspec._readchild"), "no helper ever started"
     time.sleep(1.0)  # well into the restore rounds
     err = ctrl_c(proc)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     deadline = time.monotonic() + 10
-    while marked(mark, "tierkv.backends.fsspec._readproc") and time.monotonic() < deadline:
+    while marked(mark, "tierkv.backends.fsspec._readchild") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not marked(mark, "tierkv.backends.fsspec._readproc"), "a helper outlived the benchmark"
+    assert not marked(mark, "tierkv.backends.fsspec._readchild"), "a helper outlived the benchmark"
 
 
 def marked(mark: str, command: str) -> list[int]:

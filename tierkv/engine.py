@@ -27,7 +27,7 @@ from tierkv.admission import Admission
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
-from tierkv.ledger import BlockLedger, Storing
+from tierkv.ledger import BlockLedger
 from tierkv.lookup import KeyState, Lookup, Resolver
 from tierkv.pool import SlotPool, SlotState
 
@@ -140,9 +140,7 @@ class EngineSlots:
         req = self._admission.requests.get(request_id)
         if req is not None:
             req.last_seen = self._admission.clock()
-            self._admission.unpin_many(req, group, keys)
-        if self._admission.queue:
-            self._ledger.changed()
+            self._ledger.unpin(req, group, keys)
 
     # ---- stores ---------------------------------------------------------------------------------
     @locked
@@ -158,12 +156,9 @@ class EngineSlots:
         new = [k for k in keys if k not in index]
         if not new:
             return Reservation(slots=[None] * len(keys), evicted=[])
-        got = pool.allocate(new)
+        got = self._ledger.reserve(group, new)
         if got is None:
             return None
-        storing = self._ledger.storing
-        for k, s, t in zip(new, got[0], pool.tokens(got[0]), strict=True):
-            storing[k] = Storing(group, s, t)
         if len(new) == len(keys):
             return Reservation(slots=list(got[0]), evicted=list(got[1]))
         by_key = dict(zip(new, got[0], strict=True))
@@ -172,26 +167,8 @@ class EngineSlots:
     @locked
     def commit(self, group: int, keys: list[bytes], success: bool = True) -> None:
         """Complete reserved keys: READY and cascaded to the lower tiers, or freed and forgotten."""
-        pool = self._pool(group)
-        done_keys, done_slots, done_tokens = [], [], []
-        for k in keys:
-            entry = self._ledger.stored(k)
-            if entry is None:
-                continue
-            if success:
-                done_keys.append(k)
-                done_slots.append(entry.slot)
-                done_tokens.append(entry.token)
-            else:
-                self._admission.abandon(group, k, entry.slot, entry.token)
-        if done_slots:
-            kept = pool.land(done_slots, done_tokens)
-            if not all(kept):
-                done_keys = [k for k, f in zip(done_keys, kept, strict=True) if f]
-                done_slots = [s for s, f in zip(done_slots, kept, strict=True) if f]
-            if done_slots:
-                self._committed(group, done_keys, done_slots)
-        self._ledger.changed()
+        self._pool(group)
+        self._ledger.commit(group, keys, success, self._committed)
 
     def pool_rows(self) -> dict[int, torch.Tensor]:
         """Each keyed group's primary pool as its ``[slots, block_bytes]`` uint8 tensor: the rows
@@ -205,11 +182,4 @@ class EngineSlots:
     def clear(self) -> int:
         """Free every READY, unpinned primary slot (lower tiers keep their blocks); how many."""
         self._check_open()
-        n = 0
-        for pool in self._pools.values():
-            slots = [s for s in range(pool.num_slots)
-                     if pool.state[s] is SlotState.READY and pool.pins[s] == 0]
-            pool.free(slots)
-            n += len(slots)
-        self._ledger.changed()
-        return n
+        return self._ledger.clear()

@@ -13,8 +13,13 @@ move blocks used to keep each for itself and ask of each other:
   cascades through :meth:`BlockLedger.pin_cascade`; :meth:`BlockLedger.problems` checks that
   every pin on every slot has its owner.
 
-It also says when slots may have come free (:meth:`BlockLedger.changed`, called by whatever
-unpinned or freed them) and admits the requests waiting for them at once.
+It is the one writer of a primary block's life: promotions begin and end here
+(:meth:`BlockLedger.begin_promotion`, :meth:`BlockLedger.end_promotion`), engine reservations are
+made and committed here (:meth:`BlockLedger.reserve`, :meth:`BlockLedger.commit`), blocks written at
+once are placed here (:meth:`BlockLedger.place`); the promoter, the engine slots and the reader
+execute and never change a slot's state or the ledger's fields. Every change that may free a slot
+is announced to the subscribers (:meth:`BlockLedger.subscribe`; the store admits the requests
+waiting in the queue); nothing here imports what starts the work.
 
 State changes happen under the store's lock; nothing here awaits.
 """
@@ -23,17 +28,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
-from tierkv.admission import Admission
+from tierkv.admission import Admission, Promotion, Request
 from tierkv.pool import SlotPool, SlotState
-
-if TYPE_CHECKING:
-    from tierkv.promotion import Promoter
-    from tierkv.rowsink import RowSink
+from tierkv.rowsink import RowSink
+from tierkv.tensors import take_rows
 
 __all__ = ["BlockLedger", "Landing", "Storing"]
 
@@ -89,10 +91,9 @@ class BlockLedger:
         self.pools = pools
         self.admission = admission
         self._set_event = set_event
-        #: whether queued requests may be admitted (the store is open)
+        #: whether changes are announced (the store is open)
         self.open = False
-        self._promoter: Promoter | None = None
-        self._locate: Callable[[int, bytes], int | None] = lambda g, k: None
+        self._subscribers: list[Callable[[], None]] = []
         #: keys being promoted -> their promotion's landing
         self.promoting: dict[bytes, Landing] = {}
         #: keys an engine reserved and has not committed
@@ -116,13 +117,126 @@ class BlockLedger:
             entry.event = anyio.Event()
         return entry.event
 
-    def stored(self, key: bytes) -> Storing | None:
-        """The engine completed its reservation of ``key``: wake what waits for it and return the
-        reservation (its slot and token); None when ``key`` was not reserved."""
-        entry = self.storing.pop(key, None)
-        if entry is not None and entry.event is not None:
-            self._set_event(entry.event)
-        return entry
+    # ---- promotions -----------------------------------------------------------------------------
+    def begin_promotion(self, p: Promotion, landing: Landing | None = None) -> Landing:
+        """``p``'s keys are on their way into its reserved slots, landing on ``landing`` (a new one
+        when None: ``p`` rides along with a promotion not started yet otherwise)."""
+        if landing is None:
+            landing = Landing(p.group)
+        self.promoting.update(dict.fromkeys(p.keys, landing))
+        landing.slots.update(zip(p.keys, zip(p.slots, p.tokens, strict=True), strict=True))
+        return landing
+
+    def end_promotion(self, p: Promotion, landing: Landing, positions: Sequence[int],
+                      ok: Sequence[bool], last: bool) -> int:
+        """Blocks ``positions`` of ``p`` landed (``ok``) or failed: READY, or freed with every pin
+        on them; only slots still the promotion's own (its tokens) change. Wakes the landing's
+        waiters (``last``: nothing more of it is on its way). Returns how many became READY."""
+        pool = self.pools[p.group]
+        slots, tokens, keys, promoting = p.slots, p.tokens, p.keys, self.promoting
+        good = [i for i, f in zip(positions, ok, strict=True) if f]
+        if good:
+            # a slot no longer its own is refused (pool.refused): nothing of it is served
+            kept = pool.land([slots[i] for i in good], [tokens[i] for i in good])
+            good = [i for i, f in zip(good, kept, strict=True) if f]
+        done = set(good)
+        for i, f in zip(positions, ok, strict=True):
+            if not f:
+                self.admission.abandon(p.group, keys[i], slots[i], tokens[i])
+        p.landed([i in done for i in positions])
+        for i in positions:
+            if promoting.get(keys[i]) is landing:
+                del promoting[keys[i]]
+            landing.slots.pop(keys[i], None)
+        ev = landing.event
+        if not last:
+            landing.event = anyio.Event()  # for the blocks still on their way
+        self._set_event(ev)
+        if len(done) < len(positions):
+            self.changed()
+        return len(done)
+
+    def listen(self, keys: Sequence[bytes], sink: RowSink, listened: list[Landing]) -> None:
+        """Have the promotions of ``keys`` fill ``sink`` as their reads are verified; the landings
+        it now listens on are added to ``listened``."""
+        for k in keys:
+            landing = self.promoting.get(k)
+            if landing is not None and landing not in listened:
+                listened.append(landing)
+                landing.sinks = (*landing.sinks, sink)
+
+    @staticmethod
+    def unlisten(listened: Sequence[Landing], sink: RowSink) -> None:
+        """``sink`` is closed: the landings it listened on forget it."""
+        for landing in listened:
+            landing.sinks = tuple(s for s in landing.sinks if s is not sink)
+
+    # ---- engine reservations --------------------------------------------------------------------
+    def reserve(self, group: int, keys: Sequence[bytes]) -> tuple[list[int], list[bytes]] | None:
+        """WRITING slots for ``keys`` (none resident) that the engine fills itself, all or none:
+        ``(slots, evicted keys)``, or None when not enough can be had."""
+        pool = self.pools[group]
+        got = pool.allocate(keys)
+        if got is None:
+            return None
+        storing = self.storing
+        for k, s, t in zip(keys, got[0], pool.tokens(got[0]), strict=True):
+            storing[k] = Storing(group, s, t)
+        return got
+
+    def commit(self, group: int, keys: Sequence[bytes], success: bool,
+               committed: Callable[[int, list[bytes], list[int]], None]) -> None:
+        """The engine filled (``success``) or gave up reserved ``keys``: READY, or freed and
+        forgotten; wakes what waits for them. ``committed(group, keys, slots)`` is told of the
+        blocks that became READY (keys not reserved are skipped) before anything else can evict
+        them: it pins what it must keep (the cascade) before slots are announced free."""
+        pool = self.pools[group]
+        done_keys, done_slots, done_tokens = [], [], []
+        for k in keys:
+            entry = self.storing.pop(k, None)
+            if entry is None:
+                continue
+            if entry.event is not None:
+                self._set_event(entry.event)
+            if success:
+                done_keys.append(k)
+                done_slots.append(entry.slot)
+                done_tokens.append(entry.token)
+            else:
+                self.admission.abandon(group, k, entry.slot, entry.token)
+        if done_slots:
+            kept = pool.land(done_slots, done_tokens)
+            if not all(kept):
+                done_keys = [k for k, f in zip(done_keys, kept, strict=True) if f]
+                done_slots = [s for s, f in zip(done_slots, kept, strict=True) if f]
+            if done_slots:
+                committed(group, done_keys, done_slots)
+        self.changed()
+
+    # ---- blocks written at once -----------------------------------------------------------------
+    def place(self, group: int, keys: Sequence[bytes], src: torch.Tensor,
+              rows: Sequence[int] | None = None) -> list[int] | None:
+        """Write ``keys`` (none resident) into free or evicted slots and make them READY at once,
+        all or none: ``keys[i]``'s bytes are row ``rows[i]`` of ``src`` (row ``i`` without
+        ``rows``). Returns the slots in key order, or None when they do not fit now."""
+        pool = self.pools[group]
+        got = pool.allocate(keys)
+        if got is None:
+            return None
+        pool.write(got[0], src if rows is None else take_rows(src, list(rows)))
+        pool.mark_ready(got[0])
+        return got[0]
+
+    def clear(self) -> int:
+        """Free every READY, unpinned primary slot (lower tiers keep their blocks); how many."""
+        n = 0
+        for pool in self.pools.values():
+            slots = [s for s in range(pool.num_slots)
+                     if pool.state[s] is SlotState.READY and pool.pins[s] == 0]
+            pool.free(slots)
+            n += len(slots)
+        self.changed()
+        return n
 
     # ---- staged copies --------------------------------------------------------------------------
     def stage(self, key: bytes, row: torch.Tensor) -> None:
@@ -150,17 +264,27 @@ class BlockLedger:
         entry = self.staged.get(key)
         return None if entry is None else entry.row
 
-    # ---- slots coming free ----------------------------------------------------------------------
-    def bind(self, promoter: Promoter, locate: Callable[[int, bytes], int | None]) -> None:
-        """Who starts the promotions of admitted requests, and where a lower tier holds a key."""
-        self._promoter = promoter
-        self._locate = locate
+    # ---- pins and slots coming free --------------------------------------------------------------
+    def subscribe(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (under the lock) whenever slots may have become available while open."""
+        self._subscribers.append(fn)
 
     def changed(self) -> None:
-        """Slots may have become available (pins dropped, slots freed): admit the requests waiting
-        in the queue, first come first served (call under the lock)."""
-        if self.open and self.admission.queue and self._promoter is not None:
-            self._promoter.start(self.admission.service(self._locate))
+        """Slots may have become available (pins dropped, slots freed): tell the subscribers (call
+        under the lock)."""
+        if self.open:
+            for fn in self._subscribers:
+                fn()
+
+    def unpin(self, req: Request, group: int, keys: Sequence[bytes]) -> None:
+        """``req`` is done with ``keys`` of ``group``."""
+        self.admission.unpin_many(req, group, keys)
+        self.changed()
+
+    def release(self, request_id: str) -> None:
+        """Drop every pin ``request_id`` holds and its place in the queue."""
+        self.admission.release(request_id)
+        self.changed()
 
     # ---- pins -----------------------------------------------------------------------------------
     def pin_cascade(self, group: int, slots: Sequence[int]) -> None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import anyio
 import torch
 
-from tierkv.admission import Admission, Promotion, Request
+from tierkv.admission import Promotion, Request
 from tierkv.bridge import LoopBridge
 from tierkv.gateway import TierGateway
 from tierkv.ledger import BlockLedger, Landing
@@ -24,17 +23,13 @@ __all__ = ["Promoter"]
 
 
 class Promoter:
-    """Starts and tracks promotions and probes for one store (state under the bridge's lock)."""
+    """Starts promotions and probes for one store and runs them; the ledger records what they do
+    to the blocks (state under the bridge's lock)."""
 
-    def __init__(self, bridge: LoopBridge, ledger: BlockLedger, gateways: Sequence[TierGateway],
-                 admission: Admission) -> None:
+    def __init__(self, bridge: LoopBridge, ledger: BlockLedger, gateways: Sequence[TierGateway]) -> None:
         self._bridge = bridge
-        self._pools = ledger.pools
         self._gateways = gateways
-        self._admission = admission
         self._ledger = ledger
-        #: keys being promoted -> their promotion's landing (the ledger's)
-        self.promoting = ledger.promoting
         #: keys waiting for a scheduled probe task: (tier position, group) -> keys
         self._probe_batches: dict[tuple[int, int], list[bytes]] = {}
         #: promotions whose task is scheduled and has not started, by (tier, group, request):
@@ -54,13 +49,11 @@ class Promoter:
                 first.keys.extend(p.keys)
                 first.slots.extend(p.slots)
                 first.tokens.extend(p.tokens)
+                self._ledger.begin_promotion(p, landing)
             else:
-                landing = Landing(p.group)
-                self._scheduled[slot] = (p, landing)
+                self._scheduled[slot] = (p, self._ledger.begin_promotion(p))
                 self._bridge.begin()
                 self._bridge.spawn(self._promote, slot)
-            self.promoting.update(dict.fromkeys(p.keys, landing))
-            landing.slots.update(zip(p.keys, zip(p.slots, p.tokens, strict=True), strict=True))
         for (pos, group), keys in (probes or {}).items():
             gw = self._gateways[pos]
             keys = [k for k in dict.fromkeys(keys) if k not in gw.probing]
@@ -79,39 +72,22 @@ class Promoter:
         with self._bridge.lock:
             p, landing = self._scheduled.pop(slot)  # what rides along is in p from here on
         gw = self._gateways[p.tier]
-        pool = self._pools[p.group]
+        pool = self._ledger.pools[p.group]
         #: positions not landed or failed yet: only these are this promotion's to end
         open_ = bytearray(b"\x01") * len(p.keys)
         remaining = [len(p.keys)]
 
         def landed(positions: list[int], ok: list[bool]) -> None:
-            positions = [i for i in positions if open_[i]]
-            if not positions:
+            mine = [(i, f) for i, f in zip(positions, ok, strict=True) if open_[i]]
+            if not mine:
                 return
-            for i in positions:
+            for i, _ in mine:
                 open_[i] = 0
-            slots, tokens, keys, promoting = p.slots, p.tokens, p.keys, self.promoting
-            good = [i for i, f in zip(positions, ok, strict=True) if f]
-            if good:
-                # a slot no longer its own is refused (pool.refused): nothing of it is served
-                kept = pool.land([slots[i] for i in good], [tokens[i] for i in good])
-                good = [i for i, f in zip(good, kept, strict=True) if f]
-            done = set(good)
-            gw.stats.promotions += len(good)
-            gw.stats.promotions_failed += len(positions) - len(good)
-            for i, f in zip(positions, ok, strict=True):
-                if not f:
-                    self._admission.abandon(p.group, keys[i], slots[i], tokens[i])
-            p.landed([i in done for i in positions])
-            for i in positions:
-                if promoting.get(keys[i]) is landing:
-                    del promoting[keys[i]]
-                landing.slots.pop(keys[i], None)
-            remaining[0] -= len(positions)
-            ev = landing.event
-            if remaining[0] > 0:
-                landing.event = anyio.Event()  # for the blocks still on their way
-            self._bridge.set_event(ev)
+            remaining[0] -= len(mine)
+            n = self._ledger.end_promotion(p, landing, [i for i, _ in mine], [f for _, f in mine],
+                                           last=remaining[0] == 0)
+            gw.stats.promotions += n
+            gw.stats.promotions_failed += len(mine) - n
 
         def verified(pos: int, row: torch.Tensor) -> None:  # in the reading thread
             for sink in landing.sinks:

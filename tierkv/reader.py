@@ -26,7 +26,7 @@ from tierkv.metrics import TierStats
 from tierkv.pool import SlotPool, SlotState
 from tierkv.promotion import Promoter
 from tierkv.rowsink import RowSink
-from tierkv.tensors import contiguous_run, row_span, scatter_rows, take_rows
+from tierkv.tensors import contiguous_run, row_span, scatter_rows
 
 __all__ = ["Reader"]
 
@@ -47,8 +47,7 @@ class Reader:
     def _done(self, req: Request | None, group: int, keys: list[bytes]) -> None:
         if req is not None:
             with self._lock:
-                self._admission.unpin_many(req, group, keys)
-                self._ledger.changed()
+                self._ledger.unpin(req, group, keys)
 
     async def get(self, group: int, pool: SlotPool, keys: list[bytes], out8: torch.Tensor,
                   req: Request | None) -> None:
@@ -75,7 +74,7 @@ class Reader:
                         absent = self._promote(group, keys, absent, promoted, call, waits)
                     if waits and out8.device.type == "cpu":
                         sink = sink or RowSink(out8, keys)
-                        self._listen(sink, keys, waits, listened)
+                        self._ledger.listen([keys[i] for i in waits], sink, listened)
                 if absent:
                     missing += await self._read_aside(group, pool, keys, absent, out8)
                 if waits:
@@ -85,23 +84,13 @@ class Reader:
             if sink is not None:
                 sink.close()
             with self._lock:
-                for landing in listened:
-                    landing.sinks = tuple(s for s in landing.sinks if s is not sink)
+                if sink is not None:
+                    self._ledger.unlisten(listened, sink)
                 self._admission.end_call(call)
         self._done(req, group, keys)
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
                                f" by no tier", missing=sorted(missing))
-
-    def _listen(self, sink: RowSink, keys: list[bytes], waits: dict[int, anyio.Event],
-                listened: list[Landing]) -> None:
-        """Have the promotions ``waits`` waits on fill ``sink`` as their reads are verified."""
-        promoting = self._ledger.promoting
-        for i in waits:
-            landing = promoting.get(keys[i])
-            if landing is not None and landing not in listened:
-                listened.append(landing)
-                landing.sinks = (*landing.sinks, sink)
 
     def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int], out8: torch.Tensor,
                        sink: RowSink | None) -> tuple[list[int], dict[int, anyio.Event]]:
@@ -173,10 +162,11 @@ class Reader:
         if started is None:
             return rows
         self._promoter.start(started)
-        promoting = self._ledger.promoting
         for i in rows:
             if i not in promoted and keys[i] in first:
-                waits[i] = promoting[keys[i]].event
+                ev = self._ledger.waiter(keys[i])
+                assert ev is not None, "just started"
+                waits[i] = ev
                 promoted.add(i)
         return aside
 
@@ -209,7 +199,7 @@ class Reader:
             src = buf if len(got) == len(rows) else buf[got]
             scatter_rows(out8, dst, src.to(out8.device))
             with self._lock:
-                self._keep(pool, [sub_keys[j] for j in got], src)
+                self._keep(group, pool, [sub_keys[j] for j in got], src)
         return [rows[j] for j, f in enumerate(ok) if not f]
 
     async def _read_lower(self, group: int, keys: list[bytes], buf: torch.Tensor) -> list[bool]:
@@ -230,18 +220,14 @@ class Reader:
             left = [i for i in left if not ok[i]]
         return ok
 
-    def _keep(self, pool: SlotPool, keys: list[bytes], src: torch.Tensor) -> None:
+    def _keep(self, group: int, pool: SlotPool, keys: list[bytes], src: torch.Tensor) -> None:
         """Keep blocks read aside in the primary when slots can be had now."""
         take = [j for j, k in enumerate(dict.fromkeys(keys)) if pool.slot_of(k) is None]
         uniq = list(dict.fromkeys(keys))
         if not take or pool.available() < len(take) or self._admission.queue:
             return
-        got = pool.allocate([uniq[j] for j in take])
-        if got is None:
-            return
         pos = {k: j for j, k in enumerate(keys)}
-        pool.write(got[0], take_rows(src, [pos[uniq[j]] for j in take]))
-        pool.mark_ready(got[0])
+        self._ledger.place(group, [uniq[j] for j in take], src, [pos[uniq[j]] for j in take])
 
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, pool: SlotPool, keys: list[bytes],

@@ -150,10 +150,10 @@ class TieredStore:
         self._admission = Admission(self._pools, self.config.admission)
         self._ledger = ledger = BlockLedger(self._pools, self._admission, self._bridge.set_event)
         self._cascader = Cascader(self._bridge, ledger, self._gateways)
-        self._promoter = Promoter(self._bridge, ledger, self._gateways, self._admission)
+        self._promoter = Promoter(self._bridge, ledger, self._gateways)
         self._resolver = Resolver(self.layout, ledger, self._gateways, self._admission, self._promoter,
                                   self._cost)
-        ledger.bind(self._promoter, self._resolver.held_by)
+        ledger.subscribe(self._admit_queued)
         self._engine = EngineSlots(lock=lock, layout=self.layout, ledger=ledger, admission=self._admission,
                                    resolver=self._resolver, check_open=self._check_open,
                                    committed=self._committed)
@@ -161,6 +161,12 @@ class TieredStore:
                               gateways=self._gateways, promoter=self._promoter, stats=self._primary_stats)
         for g, pool in self._pools.items():
             pool.on_evict = functools.partial(self._evicted, g)
+
+    def _admit_queued(self) -> None:
+        """Slots may have come free: admit the requests waiting in the queue, first come first
+        served, and start their promotions (under the lock)."""
+        if self._admission.queue and self._promoter is not None and self._resolver is not None:
+            self._promoter.start(self._admission.service(self._resolver.held_by))
 
     async def close(self) -> None:
         """Wait for admitted cascades (each tier at most its ``close_timeout_s``), stop background
@@ -247,7 +253,8 @@ class TieredStore:
         src = byte_rows(blocks, len(keys), pool.block_bytes, "blocks", pool.device)
         self._counts["puts"] += 1
         assert self._cascader is not None
-        place_blocks(pool, group, keys, src, self._cascader, self._committed, self._counts)
+        assert self._ledger is not None
+        place_blocks(self._ledger, group, keys, src, self._cascader, self._committed, self._counts)
 
     def _committed(self, group: int, keys: list[bytes], slots: list[int]) -> None:
         """Blocks just became READY in the primary: count them and cascade them down."""
@@ -336,9 +343,8 @@ class TieredStore:
         self._check_open()
         if type(request_id) is not str:
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
-        self._admission.release(request_id)
         assert self._ledger is not None
-        self._ledger.changed()
+        self._ledger.release(request_id)
 
     # ---- get / borrow -------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
@@ -442,7 +448,7 @@ class TieredStore:
             pending_deadline_miss=self._cost.deadline_misses,
             pending_seconds=(self._resolver.pending_seconds.snapshot() if self._resolver is not None
                              else HistogramStats()),
-            promotions_pending=len(self._promoter.promoting) if self._promoter is not None else 0,
+            promotions_pending=len(self._ledger.promoting) if self._ledger is not None else 0,
             events_dropped=sum(lt.dropped for lt in self._listeners),
             leases_expired=self._admission.leases_expired,
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (

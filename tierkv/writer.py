@@ -8,17 +8,18 @@ from collections.abc import Callable
 import torch
 
 from tierkv.cascade import Cascader
-from tierkv.pool import SlotPool
+from tierkv.ledger import BlockLedger
 from tierkv.tensors import take_rows
 
 __all__ = ["place_blocks"]
 
 
-def place_blocks(pool: SlotPool, group: int, keys: list[bytes], src: torch.Tensor, cascader: Cascader,
+def place_blocks(ledger: BlockLedger, group: int, keys: list[bytes], src: torch.Tensor, cascader: Cascader,
                  committed: Callable[[int, list[bytes], list[int]], None], counts: dict[str, int]) -> None:
     """Store rows ``src[i]`` as ``keys[i]`` (the caller holds the store's lock); blocks already held
     are only touched. ``committed(group, keys, slots)`` is told of the blocks that became READY;
     ``counts`` gets ``put_blocks_direct`` and ``put_blocks_dropped``."""
+    pool = ledger.pools[group]
     new = []
     for i, k in enumerate(keys):
         if pool.slot_of(k) is None:
@@ -30,11 +31,8 @@ def place_blocks(pool: SlotPool, group: int, keys: list[bytes], src: torch.Tenso
     n = min(len(new), pool.available())
     placed = new[:n]
     if placed:
-        got = pool.allocate([keys[i] for i in placed])
-        assert got is not None
-        slots = got[0]
-        pool.write(slots, take_rows(src, placed))
-        pool.mark_ready(slots)
+        slots = ledger.place(group, [keys[i] for i in placed], src, placed)
+        assert slots is not None, "they fit: available() counted them"
         committed(group, [keys[i] for i in placed], slots)
     direct = new[n:]
     if direct:

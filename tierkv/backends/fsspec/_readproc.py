@@ -19,7 +19,6 @@ session, so a terminal's Ctrl-C reaches the parent only, which then closes them.
 
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
@@ -60,7 +59,7 @@ class ReaderProcess:
         env = {**os.environ, "PYTHONPATH": path}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierkv.backends.fsspec._readproc", str(req_r), str(rep_w), *specs],
+                [sys.executable, "-m", "tierkv.backends.fsspec._readchild", str(req_r), str(rep_w), *specs],
                 pass_fds=(req_r, rep_w, *(r.fd for r in regions)), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         finally:
@@ -216,53 +215,3 @@ class ReaderProcesses:
         """Stop every helper."""
         for p in self.procs:
             p.close()
-
-
-# ---- the helper -------------------------------------------------------------------------------------
-def _serve(argv: list[str]) -> int:
-    from tierkv.backends.fsspec._io import WouldBlock
-    from tierkv.backends.fsspec._local import LocalSource
-    from tierkv.record import TRAILER_LEN, none_parts_match
-
-    requests = Connection(int(argv[0]), writable=False)
-    replies = Connection(int(argv[1]), readable=False)
-    views: dict[int, memoryview] = {}
-    for spec in argv[2:]:
-        region, fd, size, populate = (int(x) for x in spec.split(":"))
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        views[region] = memoryview(mmap.mmap(fd, size, flags=flags))
-        os.close(fd)
-
-    def read_one(item: Item) -> int:
-        region, offset, length, path, header = item
-        row = views[region][offset:offset + length]
-        head, tail = bytearray(len(header)), bytearray(TRAILER_LEN + 1)
-        try:
-            got = LocalSource(path, nowait=True).readinto([head, row, tail])
-        except (OSError, WouldBlock):
-            return 0
-        return got if got is not None and none_parts_match(header, head, row, tail, got) else 0
-
-    replies.send("ready")
-    while True:
-        try:
-            batch = requests.recv()
-        except EOFError:
-            return 0
-        replies.send([read_one(item) for item in batch])
-
-
-def main() -> None:
-    """A helper's life: serve batches until the request pipe closes; never a traceback."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        code = _serve(sys.argv[1:])
-    except BaseException:
-        code = 1
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()
