@@ -118,12 +118,8 @@ class EngineSlots:
             now = self._admission.clock()
             if req.pending_since is None:
                 req.pending_since = now
-            elif now - req.pending_since > self._resolver.cost.deadline_s(req.waiting):
-                # PENDING past its deadline: the request recomputes from here (its promotions go on)
-                req.gave_up = True
-                self._resolver.cost.deadline_misses += 1
-                self._admission.unpin(req, key)
-                return KeyState.MISS
+            elif self._resolver.overdue(req, now, self._resolver.cost.deadline_s(req.waiting)):
+                return KeyState.MISS  # the request recomputes from here (its promotions go on)
         return state
 
     @locked

@@ -200,15 +200,9 @@ class Resolver:
             req.last_answer = None
             req.pending_since = None
             req.gave_up = False
-        elif req.gave_up or (req.pending_since is not None and now - req.pending_since > req.deadline_s):
+        elif self.overdue(req, now, req.deadline_s):
             # PENDING past its deadline: what is ready is a HIT, the rest a MISS (recomputed); its
             # promotions go on and stay cached for later requests
-            if not req.gave_up:
-                req.gave_up = True
-                self.cost.deadline_misses += 1
-                if req.pending_since is not None:
-                    self.pending_seconds.observe(now - req.pending_since)
-                self._unpin_unready(req)
             req.last_answer = None
             return self._ready_prefix(req.last_hashes, req), Work()
         elif req.last_answer is not None:
@@ -237,6 +231,21 @@ class Resolver:
             req.pending_since = None
         req.stale = False
         return answer, work
+
+    def overdue(self, req: Request, now: float, deadline_s: float) -> bool:
+        """The deadline on PENDING, the one rule for lookups and the engine's ``key_state``: True
+        when ``req`` has given up waiting, now or before. It gives up once its PENDING clock (from
+        its first PENDING answer) passes ``deadline_s``: counted, its PENDING time observed, and
+        its pins on blocks not ready yet dropped (it will not wait for them)."""
+        if req.gave_up:
+            return True
+        if req.pending_since is None or now - req.pending_since <= deadline_s:
+            return False
+        req.gave_up = True
+        self.cost.deadline_misses += 1
+        self.pending_seconds.observe(now - req.pending_since)
+        self._unpin_unready(req)
+        return True
 
     def _unpin_unready(self, req: Request) -> None:
         """Drop ``req``'s pins on blocks not ready yet (it will not wait for them any more)."""
