@@ -281,3 +281,40 @@ def test_sglang_without_its_server_args_records_unknown(tmp_path: Path) -> None:
     path = model_dir(tmp_path)
     with_args = sglang_fields(SimpleNamespace(model_name="tiny"), sglang_args(str(path)), "kv=bf16")
     assert with_args["revision"] == weights_revision(str(path)) and with_args["quantization"] == "none"
+
+
+# ---- tierkv inspect ---------------------------------------------------------------------------------
+def test_inspect_shows_each_namespaces_fingerprint_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import anyio
+    import torch
+
+    from tierkv import TieredStore
+    from tierkv.cli import main
+
+    url = f"file://{tmp_path / 'tier'}"
+    fields = {"engine": "vllm", "model": "org/tiny", "revision": f"hf:{COMMIT}", "quantization": "fp8"}
+
+    async def write(namespace: str) -> None:
+        cfg = {"layout": LAYOUT, "namespace": namespace, "max_concurrent_requests": 1,
+               "tiers": [{"kind": "cpu", "capacity_bytes": 1 << 16}, {"kind": "fsspec", "url": url}]}
+        async with TieredStore(cfg) as store:
+            await store.put(0, [b"k" * 32], torch.zeros(1, 4096, dtype=torch.uint8))
+            await store.flush()
+
+    anyio.run(write, engine_namespace(fields, "team-a"))
+    anyio.run(write, "hand-made")  # a namespace of no engine: no fields
+    capsys.readouterr()
+    assert main(["inspect", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_ns = {ns["namespace"]: ns for ns in report["namespaces"]}
+    assert by_ns["hand-made"]["fingerprint_fields"] is None
+    engine = by_ns[engine_namespace(fields, "team-a")]
+    assert engine["fingerprint_fields"] == {**fields, "user": "team-a"} and engine["records"] == 1
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert f"vllm org/tiny ({engine['fingerprint']})" in out
+    assert "quantization" in out and "fp8" in out and f"hf:{COMMIT}" in out and "team-a" in out

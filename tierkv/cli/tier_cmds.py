@@ -88,6 +88,8 @@ def _inspect(args: argparse.Namespace) -> int:
     for ns in report.namespaces:
         title = (f"{ns.namespace!r} ({ns.fingerprint})" if ns.namespace is not None
                  else f"{ns.fingerprint} (layout.json {ns.manifest})")
+        if ns.fields is not None:  # an engine adapter's namespace: its fields follow the table
+            title = f"{ns.fields.get('engine', '?')} {ns.fields.get('model', '?')} ({ns.fingerprint})"
         rows: list[tuple[object, ...]] = []
         for g in ns.groups:
             codecs = ", ".join(f"{k} {v}" for k, v in sorted(g.codecs.items()))
@@ -102,6 +104,9 @@ def _inspect(args: argparse.Namespace) -> int:
                      _ratio(ns.codec_ratio), ""))
         print_table(title, ("group", "kind", "block bytes", "records", "on disk", "raw", "codec ratio",
                             "codecs"), rows, out)
+        if ns.fields is not None:
+            print_table(f"engine fingerprint of {ns.fingerprint}", ("field", "value"),
+                        sorted(ns.fields.items()), out)
     return rc
 
 

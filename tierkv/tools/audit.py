@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from tierkv.adapters.fingerprint import parse_engine_namespace
 from tierkv.backends.fsspec import _directio as directio
 from tierkv.backends.fsspec._io import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsspec._local import LocalDriver, probe_nowait
@@ -113,6 +114,9 @@ class NamespaceReport:
     groups: list[GroupReport] = field(default_factory=list)
     temp_files: int = 0
     other_files: int = 0
+    #: the engine fingerprint's fields when the namespace is an engine adapter's (docs/design.md,
+    #: "What a key means": model, revision, quantization, KV layout, hash algorithm...), else None
+    fields: dict[str, str] | None = None
 
     def _sum(self, name: str) -> int:
         return sum(int(getattr(g, name)) for g in self.groups)
@@ -166,6 +170,7 @@ class InspectReport:
         for ns in self.namespaces:
             groups = [{**asdict(g), "codec_ratio": g.codec_ratio} for g in ns.groups]
             out.append({"fingerprint": ns.fingerprint, "namespace": ns.namespace, "manifest": ns.manifest,
+                        "fingerprint_fields": ns.fields,
                         "layout": ns.layout, "records": ns.records, "bytes_on_disk": ns.bytes_on_disk,
                         "stored_bytes": ns.stored_bytes, "raw_bytes": ns.raw_bytes,
                         "codec_ratio": ns.codec_ratio, "temp_files": ns.temp_files,
@@ -397,7 +402,7 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
         for fp in listing.fingerprints():
             man = await _manifest(driver, listing.manifests.get(fp), fp)
             ns = NamespaceReport(fingerprint=fp, namespace=man.namespace, layout=man.layout_json,
-                                 manifest=man.state,
+                                 manifest=man.state, fields=parse_engine_namespace(man.namespace),
                                  temp_files=sum(1 for _, _, f in listing.temps if f == fp),
                                  other_files=sum(1 for _, f in listing.other if f == fp))
             groups: dict[int, GroupReport] = {}
