@@ -272,6 +272,8 @@ class LocalDriver(Driver):
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
         self._pool = DaemonPool(threads, "tierkv-io")
+        #: writes have threads of their own: a burst of stores never queues a load behind it
+        self._writes: DaemonPool | None = None
         #: reads of records not in the page cache: they wait for the device, many at once
         self._cold: DaemonPool | None = None
         #: helper processes for reads into shared memory (:mod:`~tierkv.backends.fsspec._readproc`)
@@ -391,8 +393,9 @@ class LocalDriver(Driver):
         self._jobs.abandon()
 
     async def map(self, fn: Callable[[int], T], n: int, nbytes: int = 0,
-                  buffers: bool = True) -> list[T | OSError]:
-        """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads.
+                  buffers: bool = True, pool: DaemonPool | None = None) -> list[T | OSError]:
+        """``fn(i)`` for ``i`` in ``range(n)``, in chunks over this driver's worker threads (the
+        read lane's, or ``pool``'s).
 
         Per item, what ``fn`` returned or the ``OSError`` it raised: a tier does a whole per-record
         job (encode + write) in one worker thread, with no intermediate buffers handed back.
@@ -414,8 +417,8 @@ class LocalDriver(Driver):
                     results[i] = detach(exc)  # type: ignore[assignment]
 
         parts = -(-max(self.threads, -(-nbytes // CHUNK_BYTES)) // self.threads) * self.threads
-        await self._jobs.run_all(self._pool, [functools.partial(chunk, idx) for idx in _chunks(n, parts)],
-                                 stop, buffers)
+        jobs: list[Callable[[], None]] = [functools.partial(chunk, idx) for idx in _chunks(n, parts)]
+        await self._jobs.run_all(pool or self._pool, jobs, stop, buffers)
         return results
 
     async def close(self) -> None:
@@ -424,7 +427,7 @@ class LocalDriver(Driver):
         if self._readers is not None:
             readers, self._readers = self._readers, None
             await anyio.to_thread.run_sync(readers.close, abandon_on_cancel=True)
-        await self._jobs.shutdown([p for p in (self._pool, self._cold) if p is not None])
+        await self._jobs.shutdown([p for p in (self._pool, self._writes, self._cold) if p is not None])
 
     async def write_records(self, paths: list[str], job: Callable[[int], list[Any] | None],
                             nbytes: int) -> list[RecordWrite]:
@@ -444,7 +447,14 @@ class LocalDriver(Driver):
                 os.utime(paths[i], ns=(when, when), follow_symlinks=False)
             return Written(sum(memoryview(p).nbytes for p in parts))
 
-        return [Failed(r) if isinstance(r, BaseException) else r for r in await self.map(one, n, nbytes)]
+        results = await self.map(one, n, nbytes, pool=self._write_pool())
+        return [Failed(r) if isinstance(r, BaseException) else r for r in results]
+
+    def _write_pool(self) -> DaemonPool:
+        with self._count_lock:
+            if self._writes is None:
+                self._writes = DaemonPool(self.threads, "tierkv-io-write")
+            return self._writes
 
     async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
                            nbytes: int, inplace: list[tuple[bytes, Any]] | None = None,
