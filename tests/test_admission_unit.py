@@ -171,7 +171,7 @@ def test_abandon_frees_a_failed_promotion_and_every_pin_on_it() -> None:
     assert key(1) not in a.pins and key(1) not in b.pins
     assert pools[FULL].slot_of(key(1)) is None and pools[FULL].pins[slot] == 0
     promos[0].landed([False])
-    assert a.stale and a.waiting == 0
+    assert a.memo.stale and a.waiting == 0
     assert not problems(pools)
 
 

@@ -28,12 +28,36 @@ import anyio
 from tierkv.errors import InvalidArgument
 from tierkv.pool import SlotPool
 
-__all__ = ["Admission", "Promotion", "Request", "Want"]
+__all__ = ["Admission", "PendingClock", "PrefixMemo", "Promotion", "Request", "Want"]
 
 log = logging.getLogger("tierkv")
 
 #: a block a request wants promoted: its key and the position of the lower tier that holds it
 Want = tuple[bytes, int]
+
+
+@dataclass(eq=False)
+class PrefixMemo:
+    """A request's last ``lookup_prefix``: its hashes (already checked) and the keys made from
+    them, and its PENDING answer, kept while it stands: until the blocks its own promotions still
+    have to land have landed or one of them failed (``stale``), or, when it waited for presence
+    probes, until the gateways learned something (``version``)."""
+
+    hashes: list[bytes] | None = None
+    keys: dict[int, list[bytes]] = field(default_factory=dict)
+    answer: Any = None
+    stale: bool = False
+    version: int | None = None
+
+
+@dataclass(eq=False)
+class PendingClock:
+    """Since when a request's current prefix has been PENDING, how long it may be, and whether it
+    gave up (the deadline rule: ``Resolver.overdue``)."""
+
+    since: float | None = None
+    deadline_s: float = 60.0
+    gave_up: bool = False
 
 
 @dataclass(eq=False)
@@ -46,20 +70,10 @@ class Request:
     wants: dict[int, list[bytes]] = field(default_factory=dict)
     #: when it joined the admission queue (None: not queued)
     queued_at: float | None = None
-    #: the hashes of its last ``lookup_prefix`` (already checked) and the keys made from them
-    last_hashes: list[bytes] | None = None
-    last_keys: dict[int, list[bytes]] = field(default_factory=dict)
-    #: its last PENDING ``lookup_prefix`` answer, kept while it stands: until the blocks its own
-    #: promotions still have to land (``waiting``) have landed or one of them failed (``stale``),
-    #: or, when it waited for presence probes, until the gateways learned something (``version``)
-    last_answer: Any = None
+    #: blocks its own promotions still have to land
     waiting: int = 0
-    stale: bool = False
-    answer_version: int | None = None
-    #: since when its current prefix has been PENDING, how long it may be, and whether it gave up
-    pending_since: float | None = None
-    deadline_s: float = 60.0
-    gave_up: bool = False
+    memo: PrefixMemo = field(default_factory=PrefixMemo)
+    pending: PendingClock = field(default_factory=PendingClock)
 
     @property
     def named(self) -> bool:
@@ -87,7 +101,7 @@ class Promotion:
         if req is not None:
             req.waiting -= len(ok)
             if not all(ok):
-                req.stale = True
+                req.memo.stale = True
 
 
 class Admission:

@@ -106,7 +106,7 @@ class EngineSlots:
         if s is not None and pool.state[s] is SlotState.READY:
             self._admission.pin(req, group, key, s)
             return KeyState.READY
-        if req.gave_up:
+        if req.pending.gave_up:
             return KeyState.MISS
         if s is not None and key in req.pins:
             # in flight and already pinned for this request: an engine asks again every step
@@ -116,8 +116,8 @@ class EngineSlots:
             state = self._resolver.states(group, [key], req)[0]
         if state.lookup is Lookup.PENDING:
             now = self._admission.clock()
-            if req.pending_since is None:
-                req.pending_since = now
+            if req.pending.since is None:
+                req.pending.since = now
             elif self._resolver.overdue(req, now, self._resolver.cost.deadline_s(req.waiting)):
                 return KeyState.MISS  # the request recomputes from here (its promotions go on)
         return state

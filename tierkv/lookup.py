@@ -194,42 +194,42 @@ class Resolver:
 
     def _prefix_work(self, hashes: Sequence[bytes], req: Request) -> tuple[PrefixLookup, Work]:
         now = time.monotonic()
-        if req.last_hashes is None or req.last_hashes != hashes:
-            req.last_hashes = list(check_hashes(hashes))
-            req.last_keys = {}
-            req.last_answer = None
-            req.pending_since = None
-            req.gave_up = False
-        elif self.overdue(req, now, req.deadline_s):
+        if req.memo.hashes is None or req.memo.hashes != hashes:
+            req.memo.hashes = list(check_hashes(hashes))
+            req.memo.keys = {}
+            req.memo.answer = None
+            req.pending.since = None
+            req.pending.gave_up = False
+        elif self.overdue(req, now, req.pending.deadline_s):
             # PENDING past its deadline: what is ready is a HIT, the rest a MISS (recomputed); its
             # promotions go on and stay cached for later requests
-            req.last_answer = None
-            return self._ready_prefix(req.last_hashes, req), Work()
-        elif req.last_answer is not None:
+            req.memo.answer = None
+            return self._ready_prefix(req.memo.hashes, req), Work()
+        elif req.memo.answer is not None:
             # the same prefix, asked again while what it waits for is still on its way: its own
             # promotions stream in (none failed; its blocks are pinned), or the presence probes it
             # waits for have not answered; the PENDING answer stands, at no cost
-            if req.waiting > 0 and not req.stale:
-                return req.last_answer, Work()
-            if req.waiting == 0 and req.answer_version == self._version():
-                return req.last_answer, Work()
-        answer, work, probing = self._prefix(req.last_hashes, req)
-        req.last_answer = None
-        req.answer_version = None
+            if req.waiting > 0 and not req.memo.stale:
+                return req.memo.answer, Work()
+            if req.waiting == 0 and req.memo.version == self._version():
+                return req.memo.answer, Work()
+        answer, work, probing = self._prefix(req.memo.hashes, req)
+        req.memo.answer = None
+        req.memo.version = None
         if req.named and answer.state is Lookup.PENDING:
-            if req.pending_since is None:
-                req.pending_since = now
-            req.deadline_s = self.cost.deadline_s(req.waiting)
+            if req.pending.since is None:
+                req.pending.since = now
+            req.pending.deadline_s = self.cost.deadline_s(req.waiting)
             if req.waiting > 0:
-                req.last_answer = answer
+                req.memo.answer = answer
             elif probing and req.rid not in self.admission.queue:
-                req.last_answer = answer
-                req.answer_version = self._version()
+                req.memo.answer = answer
+                req.memo.version = self._version()
         elif answer.state is not Lookup.PENDING:
-            if req.pending_since is not None:
-                self.pending_seconds.observe(now - req.pending_since)
-            req.pending_since = None
-        req.stale = False
+            if req.pending.since is not None:
+                self.pending_seconds.observe(now - req.pending.since)
+            req.pending.since = None
+        req.memo.stale = False
         return answer, work
 
     def overdue(self, req: Request, now: float, deadline_s: float) -> bool:
@@ -237,13 +237,13 @@ class Resolver:
         when ``req`` has given up waiting, now or before. It gives up once its PENDING clock (from
         its first PENDING answer) passes ``deadline_s``: counted, its PENDING time observed, and
         its pins on blocks not ready yet dropped (it will not wait for them)."""
-        if req.gave_up:
+        if req.pending.gave_up:
             return True
-        if req.pending_since is None or now - req.pending_since <= deadline_s:
+        if req.pending.since is None or now - req.pending.since <= deadline_s:
             return False
-        req.gave_up = True
+        req.pending.gave_up = True
         self.cost.deadline_misses += 1
-        self.pending_seconds.observe(now - req.pending_since)
+        self.pending_seconds.observe(now - req.pending.since)
         self._unpin_unready(req)
         return True
 
@@ -307,7 +307,7 @@ class Resolver:
         n = len(hashes)
         now = time.monotonic()
         work = Work()
-        keys = req.last_keys
+        keys = req.memo.keys
         statuses: dict[tuple[int, int], int] = {}
 
         def keys_of(g: int) -> list[bytes]:
