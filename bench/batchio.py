@@ -64,7 +64,7 @@ import numpy as np
 import xxhash
 
 from tierkv.backends.fsspec import _batchio as batchio
-from tierkv.backends.fsspec._io import temp_name
+from tierkv.backends.fsspec._driver import temp_name
 
 PHASES = ("store", "warm", "cold")
 #: warm loads are short (a page-cache copy): each round takes the median of this many passes

@@ -26,7 +26,7 @@ from test_filesystems import full_tmpfs
 from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec import _batchio_py as batchio_py
 from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._io import TEMP_MARK
+from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._local import probe_nowait
 
 __all__ = ["full_tmpfs"]

@@ -19,7 +19,7 @@ from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.fsspec import _directio as directio
 from tierkv.backends.fsspec._batchio_py import page_cached
-from tierkv.backends.fsspec._io import WouldBlock
+from tierkv.backends.fsspec._driver import WouldBlock
 from tierkv.backends.fsspec._local import LocalSource
 from tierkv.errors import BackendError
 from tierkv.keys import make_key

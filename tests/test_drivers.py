@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from tierkv.backends.fsspec import FsspecTierConfig
-from tierkv.backends.fsspec._io import Driver, RecordSource, WouldBlock
+from tierkv.backends.fsspec._driver import Driver, RecordSource, WouldBlock
 from tierkv.backends.fsspec._open import open_driver
 from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Written
 from tierkv.backends.fsspec._tier import FsspecTier

@@ -16,7 +16,7 @@ from s3util import s3_endpoint, storage_options
 
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-from tierkv.backends.fsspec._io import _HOST, TEMP_MARK
+from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.cli import build_parser, main
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout

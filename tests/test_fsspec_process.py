@@ -18,7 +18,7 @@ import pytest
 import torch
 from crash_writer import BLOCK, FULL, NAMESPACE, STRIDE, crash_layout, crash_tier, data_of
 
-from tierkv.backends.fsspec._io import TEMP_MARK
+from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._tier import RECORD_SUFFIX
 from tierkv.cli import main as cli_main
 from tierkv.record import decode_record

@@ -25,7 +25,7 @@ from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 from tierkv import BlockMissing, Lookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-from tierkv.backends.fsspec._io import _HOST, TEMP_MARK
+from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.errors import BackendError, ConfigError
 from tierkv.gateway import TierGateway
 from tierkv.keys import make_key

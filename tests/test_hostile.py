@@ -299,7 +299,7 @@ async def test_a_full_disk_at_open_still_serves_the_records_there(tmp_path: Path
         await store.flush()
     for m in tmp_path.glob("*/layout.json"):
         m.unlink()
-    from tierkv.backends.fsspec._io import Driver
+    from tierkv.backends.fsspec._driver import Driver
 
     async def full(self: Any, path: str, data: bytes) -> None:
         raise OSError(28, "No space left on device")

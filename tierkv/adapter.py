@@ -50,7 +50,8 @@ if TYPE_CHECKING:
         samples,
         tier_samples,
     )
-    from tierkv.numbers import (
+    from tierkv.pool import shared_pool_tensors
+    from tierkv.quantities import (
         MAX_RATE_TOKENS_S,
         MAX_WAIT_S,
         Bytes,
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
         StrictNumbers,
         TokenRate,
     )
-    from tierkv.pool import shared_pool_tensors
     from tierkv.sharedmem import adopt as adopt_shared
     from tierkv.sharedmem import release as release_shared
     from tierkv.transfer import Copy, DeviceTransfer
@@ -76,7 +76,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.lookup", n) for n in ["KeyState"]},
     **{n: ("tierkv.metrics", n) for n in ["BACKEND_METRICS", "HISTOGRAMS", "LATENCY_BUCKETS", "TIER_METRICS",
                                           "USED_BYTES", "Metric", "all_metrics", "samples", "tier_samples"]},
-    **{n: ("tierkv.numbers", n) for n in ["MAX_RATE_TOKENS_S", "MAX_WAIT_S", "Bytes", "Count", "Seconds",
+    **{n: ("tierkv.quantities", n) for n in ["MAX_RATE_TOKENS_S", "MAX_WAIT_S", "Bytes", "Count", "Seconds",
                                           "StrictNumbers", "TokenRate"]},
     **{n: ("tierkv.pool", n) for n in ["shared_pool_tensors"]},
     "adopt_shared": ("tierkv.sharedmem", "adopt"),

@@ -20,7 +20,7 @@ from tierkv.backends.base import TierConfig
 from tierkv.backends.registry import get_backend
 from tierkv.errors import ConfigError, TierKVError, format_validation_error
 from tierkv.layout import Layout
-from tierkv.numbers import Count, Seconds, StrictNumbers, TokenRate
+from tierkv.quantities import Count, Seconds, StrictNumbers, TokenRate
 
 __all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error"]
 

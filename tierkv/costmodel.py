@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tierkv.errors import InvalidArgument
 from tierkv.metrics import CostStats
-from tierkv.numbers import MAX_RATE_TOKENS_S, MAX_WAIT_S
+from tierkv.quantities import MAX_RATE_TOKENS_S, MAX_WAIT_S
 
 __all__ = ["FALLBACK_DEADLINE_S", "CostModel", "Decision"]
 

@@ -12,7 +12,7 @@ import torch
 from pydantic import ConfigDict, Field, PositiveInt, StrictBool, field_validator
 
 from tierkv.layout import Layout
-from tierkv.numbers import MAX_WAIT_S, StrictNumbers
+from tierkv.quantities import MAX_WAIT_S, StrictNumbers
 
 __all__ = ["MAX_WAIT_S", "Capabilities", "KeyListener", "RowLanded", "Tier", "TierConfig", "TierContext",
            "old_name", "real_bool"]

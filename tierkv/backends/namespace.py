@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.backends.fsspec._io import TEMP_MARK, Driver, Entry
+from tierkv.backends.fsspec._driver import TEMP_MARK, Driver, Entry
 from tierkv.keys import GROUP_BYTES, split_key
 from tierkv.layout import Layout
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierkv.backends.fsspec._io import RecordSource, SpecialFile
+from tierkv.backends.fsspec._driver import RecordSource, SpecialFile
 from tierkv.backends.fsspec._outcomes import ABSENT, Damaged, Found, RecordRead, Refused
 from tierkv.backends.fsspec._verdicts import NOT_OURS
 from tierkv.encryption import KeyRing

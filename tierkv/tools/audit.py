@@ -30,7 +30,7 @@ import anyio
 
 from tierkv.adapters.fingerprint import parse_engine_namespace
 from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._io import Driver, Entry, SpecialFile, temp_owner_alive
+from tierkv.backends.fsspec._driver import Driver, Entry, SpecialFile, temp_owner_alive
 from tierkv.backends.fsspec._local import LocalDriver, probe_nowait
 from tierkv.backends.fsspec._open import open_driver, url_problem
 from tierkv.backends.fsspec._outcomes import Failed

@@ -7,7 +7,7 @@ and :func:`redact_url`; the modules beside them are the tier's parts, private to
 - ``_tier``: :class:`FsspecTier` itself (open, put, get, contains, delete, listings, eviction);
 - ``_config``: its settings; ``_open``: URL checks and the driver for a protocol; ``_redact``:
   credentials out of messages and logs; ``_capacity``: the shared-capacity ledger;
-- ``_io``: the driver interface; ``_local`` (local paths: worker threads, page cache first),
+- ``_driver``: the driver interface; ``_local`` (local paths: worker threads, page cache first),
   ``_remote`` (fsspec file systems, s3fs) and ``_obstore`` (S3 through obstore): the drivers;
 - ``_batchio`` (+ ``_batchio_py``): record reads and writes through the C module
   ``tierkv._batchio`` or its Python fallback; ``_directio``: ``O_DIRECT`` writes;

@@ -48,7 +48,7 @@ from types import ModuleType
 from typing import Any
 
 from tierkv.backends.fsspec import _batchio_py as batchio_py
-from tierkv.backends.fsspec._io import temp_name
+from tierkv.backends.fsspec._driver import temp_name
 
 __all__ = ["active", "implementation", "native", "native_error", "read_batch", "write_batch"]
 

@@ -21,7 +21,7 @@ from tierkv import sharedmem
 from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec import _directio as directio
 from tierkv.backends.fsspec._batchio_py import has_cachestat, page_cached
-from tierkv.backends.fsspec._io import (
+from tierkv.backends.fsspec._driver import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
     Driver,

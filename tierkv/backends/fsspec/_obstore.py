@@ -37,8 +37,8 @@ from typing import Any
 
 import anyio
 
+from tierkv.backends.fsspec._driver import Entry, temp_name
 from tierkv.backends.fsspec._foreign import ForeignFutures
-from tierkv.backends.fsspec._io import Entry, temp_name
 from tierkv.backends.fsspec._remote import RequestDriver, RetryPolicy
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
 

@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 
-from tierkv.backends.fsspec._io import Driver
+from tierkv.backends.fsspec._driver import Driver
 from tierkv.backends.fsspec._local import LocalDriver
 from tierkv.backends.fsspec._obstore import open_obstore
 from tierkv.backends.fsspec._redact import redact_url

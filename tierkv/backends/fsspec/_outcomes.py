@@ -1,6 +1,6 @@
 """What reading or writing one record came to: the typed results of the driver's two calls,
-:meth:`~tierkv.backends.fsspec._io.Driver.read_records` and
-:meth:`~tierkv.backends.fsspec._io.Driver.write_records`.
+:meth:`~tierkv.backends.fsspec._driver.Driver.read_records` and
+:meth:`~tierkv.backends.fsspec._driver.Driver.write_records`.
 
 A read is :class:`Found` (read and verified), :data:`ABSENT`, :class:`Damaged` (with the reason,
 removed and counted by the tier), :class:`Refused` (a sound record this store may not serve:

@@ -13,7 +13,7 @@ import os
 import sys
 from multiprocessing.connection import Connection
 
-from tierkv.backends.fsspec._io import WouldBlock
+from tierkv.backends.fsspec._driver import WouldBlock
 from tierkv.backends.fsspec._local import LocalSource
 from tierkv.backends.fsspec._readproc import Item
 from tierkv.record import TRAILER_LEN, none_parts_match

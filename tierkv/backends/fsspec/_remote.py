@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 import anyio
 
-from tierkv.backends.fsspec._io import (
+from tierkv.backends.fsspec._driver import (
     BytesSource,
     Driver,
     Entry,

@@ -1,7 +1,7 @@
 """When a file tier lists its namespace: once after it opens (unless told not to), then, with a
 capacity, every ``rescan_s`` or sooner when asked (this process wrote a share of the capacity),
 each time only once the reads in flight have paused: a listing is CPU work that would slow a
-restore in progress, and it can wait (at most :data:`~tierkv.backends.fsspec._io.PAUSE_MAX_S`)."""
+restore in progress, and it can wait (at most :data:`~tierkv.backends.fsspec._driver.PAUSE_MAX_S`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from tierkv.backends.fsspec._io import PAUSE_MAX_S, PAUSE_STEP_S
+from tierkv.backends.fsspec._driver import PAUSE_MAX_S, PAUSE_STEP_S
 
 __all__ = ["Rescans"]
 

@@ -43,7 +43,7 @@ import torch
 from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
-from tierkv.backends.fsspec._io import (
+from tierkv.backends.fsspec._driver import (
     Driver,
     RecordSource,
     temp_owner_alive,

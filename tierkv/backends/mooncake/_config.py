@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from tierkv.backends.base import TierConfig, old_name
-from tierkv.numbers import MAX_WAIT_S
+from tierkv.quantities import MAX_WAIT_S
 
 __all__ = ["MooncakeTierConfig", "local_address", "split_endpoint"]
 
