@@ -65,7 +65,7 @@ def test_from_dict() -> None:
     # defaults
     plain = StoreConfig.from_dict({"layout": LAYOUT, "tiers": [{"kind": "cpu", "capacity_bytes": 4096}]})
     assert plain.namespace == ""
-    assert plain.policy == "lru"
+    assert plain.policy == "slru"  # the default since #47 (docs/traffic.md)
     assert plain.max_concurrent_requests == 8
     assert plain.tiers[0].capacity_bytes == 4096
 

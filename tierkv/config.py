@@ -40,7 +40,10 @@ class StoreConfig(StrictNumbers):
     namespace: str = ""
     max_concurrent_requests: Count = 8
     tiers: list[SerializeAsAny[TierConfig]]
-    policy: Literal["lru", "arc"] = "lru"
+    #: the primary pools' eviction policy (tierkv.policy): ``slru`` (segmented LRU that keeps what
+    #: was used again, its protected share picked online; plain LRU where that does best), ``lru``
+    #: or ``arc``
+    policy: Literal["slru", "lru", "arc"] = "slru"
     #: ``queue``: a promotion that finds no slot waits in FIFO order (PENDING). ``naive``: it is a
     #: MISS, as in engines that treat a full primary as absent; kept only for comparisons.
     admission: Literal["queue", "naive"] = "queue"

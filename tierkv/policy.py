@@ -1,4 +1,4 @@
-"""Eviction policies over keys: LRU and ARC.
+"""Eviction policies over keys: LRU, ARC and SLRU (:mod:`tierkv.segmented`, the default).
 
 A policy orders the keys resident in one pool. It never decides alone what may go: ``victim`` takes
 a predicate, and pinned or in-flight slots are simply never offered.
@@ -11,8 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tierkv.errors import ConfigError
+from tierkv.segmented import SLRUPolicy
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "SLRUPolicy",
+           "make_policy"]
+
+#: the policies :func:`make_policy` knows, and the one stores use unless told otherwise
+POLICIES = ("slru", "lru", "arc")
+DEFAULT_POLICY = "slru"
 
 
 class EvictionPolicy(Protocol):
@@ -178,9 +184,12 @@ class ARCPolicy:
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """A policy by name: ``"lru"`` or ``"arc"``."""
+    """A policy by name: ``"slru"`` (the default), ``"lru"`` or ``"arc"``; ``capacity`` is the
+    pool's slot count."""
+    if name == "slru":
+        return SLRUPolicy(capacity)
     if name == "lru":
         return LRUPolicy()
     if name == "arc":
         return ARCPolicy(capacity)
-    raise ConfigError(f"unknown eviction policy {name!r}: choose 'lru' or 'arc'")
+    raise ConfigError(f"unknown eviction policy {name!r}: choose one of {', '.join(map(repr, POLICIES))}")
