@@ -5,8 +5,9 @@
 Like tests/engine/run_engine.py (whose model builder and prompts it uses), plus: ``model_path`` (a
 copy of the built model, made there when it does not exist: a test changes its weights), ``llm``
 (more ``LLM`` arguments, e.g. ``prefix_caching_hash_algo``), ``tiers`` (instead of one file tier),
-``fault`` (a step that damages records between lookup and load, see :func:`arm_fault`). A start
-that fails prints one
+``fault`` (a step that damages records between lookup and load, see :func:`arm_fault`),
+``short_len`` (the step ``short`` runs the prompts cut to that many tokens). A start that fails
+prints one
 ``error`` event (the exception's type and message) and exits 3. One JSON line per event,
 prefixed with "[tierkv-run] ".
 """
@@ -108,8 +109,9 @@ def main() -> None:
             llm.reset_prefix_cache()
         elif step == "fault":
             arm_fault(llm, args["fault"])
-        else:
-            outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        else:  # "short": the prompts' first short_len tokens (a shorter prefix of the same prompts)
+            batch = [p[:args["short_len"]] for p in ps] if step == "short" else ps
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
             for i, out in enumerate(outs):
                 c = out.outputs[0]
                 lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])]
