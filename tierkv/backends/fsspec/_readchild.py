@@ -14,7 +14,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from tierkv.backends.fsspec._driver import WouldBlock
-from tierkv.backends.fsspec._local import LocalSource
+from tierkv.backends.fsspec._localsource import LocalSource
 from tierkv.backends.fsspec._readproc import Item
 from tierkv.record import TRAILER_LEN, none_parts_match
 
