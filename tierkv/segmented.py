@@ -37,21 +37,49 @@ DEMOTE_STEP = 64
 DECAY = 0.8
 
 
+class _Ghost:
+    """Recently evicted key hashes (each with a value), the last ``capacity`` of them or so (2/3 to
+    4/3 of it): two plain dicts, the newer filled to 2/3, then the older one dropped (cheaper than an
+    ordered dict trimmed one key at a time)."""
+
+    __slots__ = ("half", "new", "old")
+
+    def __init__(self, capacity: int) -> None:
+        self.half = max(1, capacity * 2 // 3)
+        self.new: dict[int, int] = {}
+        self.old: dict[int, int] = {}
+
+    def add(self, h: int, value: int) -> None:
+        new = self.new
+        new[h] = value
+        if len(new) >= self.half:
+            self.old, self.new = new, {}
+
+    def pop(self, h: int) -> int | None:
+        """The value of ``h`` (forgotten now), or None when it is not remembered."""
+        v = self.new.pop(h, None)
+        return self.old.pop(h, None) if v is None else v
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+
 class _Shadow:
     """A key-only segmented LRU of one protected share: what the real cache would hit with it."""
 
-    __slots__ = ("capacity", "ghost", "ghost_cap", "hits", "limit", "ok", "prob", "prot")
+    __slots__ = ("capacity", "chains", "ghost", "hits", "limit", "ok", "prob", "prot")
 
-    def __init__(self, capacity: int, share: float, ghost_factor: int) -> None:
+    def __init__(self, capacity: int, share: float, ghost_factor: int, chains: bool = True) -> None:
         self.capacity = max(1, capacity)
         self.limit = int(share * self.capacity)
         self.prob: OrderedDict[int, None] = OrderedDict()
         self.prot: OrderedDict[int, None] = OrderedDict()
-        self.ghost: OrderedDict[int, None] = OrderedDict()
-        self.ghost_cap = ghost_factor * self.capacity
+        self.ghost = _Ghost(ghost_factor * self.capacity)
         self.hits = 0.0
         #: whether every sampled block of the chain being walked was a hit so far
         self.ok = True
+        #: count only hits whose chain hit before them (else every hit)
+        self.chains = chains
 
     def access(self, h: int) -> None:
         """An access of sampled key ``h``: a hit counts while the chain's earlier blocks hit too
@@ -66,14 +94,11 @@ class _Shadow:
             self.hits += self.ok
             self._protect(h)
             return
-        self.ok = False
+        self.ok = not self.chains
         if len(prob) + len(prot) >= self.capacity:
             v = prob.popitem(last=False)[0] if prob else prot.popitem(last=False)[0]
-            self.ghost[v] = None
-            if len(self.ghost) > self.ghost_cap:
-                self.ghost.popitem(last=False)
-        if h in self.ghost:
-            del self.ghost[h]
+            self.ghost.add(v, 0)
+        if self.ghost.pop(h) is not None:
             self._protect(h)
         else:
             prob[h] = None
@@ -108,10 +133,9 @@ class SLRUPolicy:
         self._prob: OrderedDict[bytes, None] = OrderedDict()
         self._prot: OrderedDict[bytes, None] = OrderedDict()
         #: hashes of keys evicted lately -> their parent's hash
-        self._ghost: OrderedDict[int, int] = OrderedDict()
-        self._ghost_cap = ghost_factor * self.capacity
+        self._ghost = _Ghost(ghost_factor * self.capacity)
         self.rate = rate or max(1, min(16, self.capacity // 256))
-        self._shadows = [_Shadow(self.capacity // self.rate, s, ghost_factor) for s in self.shares]
+        self._shadows = [_Shadow(self.capacity // self.rate, s, ghost_factor, chains) for s in self.shares]
         self.period = period or max(512, self.capacity // self.rate)
         self._sampled = 0
         #: how often the share changed (for tests and curiosity)
@@ -124,18 +148,6 @@ class SLRUPolicy:
         self._prev = 0  # hash of the key accessed last
 
     # ---- the shadows ---------------------------------------------------------------------------
-    def _sample(self, key: bytes) -> None:
-        h = zlib.crc32(key)
-        if h % self.rate:
-            return
-        if self.chains:
-            self._burst_sampled.append(h)
-        for s in self._shadows:
-            s.access(h)
-        self._sampled += 1
-        if self._sampled % self.period == 0:
-            self._decide()
-
     def _decide(self) -> None:
         """Adopt the share whose shadow hit most (ties keep the current one); decay the counts."""
         best = max(range(len(self.shares)),
@@ -148,26 +160,10 @@ class SLRUPolicy:
             s.hits *= DECAY
 
     # ---- chains -------------------------------------------------------------------------------------
-    def _follow(self, key: bytes, parent: int | None) -> int:
-        """Note an access to ``key`` (before it is placed), whose parent (the block before it in
-        its chain, as a hash; 0 for none) is ``parent``, or None for a key never seen: the next
-        block of the chain being walked, or the start of another (the last one is then reordered,
-        :meth:`_flush`). The parent to remember for ``key``."""
-        prev = self._prev
-        if parent is None:
-            parent = prev  # stored right after the block before it (or taken for so: harmless)
-        elif parent != prev and self.chains:
-            self._flush()
-            for sh in self._shadows:
-                sh.ok = True
-        if self.chains:
-            self._burst.append(key)
-        self._prev = hash(key)
-        return parent
-
-    def _flush(self) -> None:
-        """The chain walked last, made recent deepest first: its root is the most recent key, so
-        eviction takes a chain from its end (a block is of use only with every block before it)."""
+    def _new_chain(self) -> None:
+        """An access that does not follow the last one in its chain: the chain walked last is
+        done. It is made recent deepest first, so that its root is its most recent key and eviction
+        takes a chain from its end (a block is of use only with every block before it)."""
         burst = self._burst
         if len(burst) > 1:
             prob, prot = self._prob, self._prot
@@ -181,6 +177,18 @@ class SLRUPolicy:
                     s.refresh(h)
         burst.clear()
         self._burst_sampled.clear()
+        for s in self._shadows:
+            s.ok = True
+
+    def _shadow(self, c: int) -> None:
+        """An access of sampled key ``c`` (its crc32) for the shadows."""
+        if self.chains:
+            self._burst_sampled.append(c)
+        for s in self._shadows:
+            s.access(c)
+        self._sampled += 1
+        if self._sampled % self.period == 0:
+            self._decide()
 
     # ---- EvictionPolicy -------------------------------------------------------------------------
     def _protect(self, key: bytes) -> None:
@@ -192,31 +200,50 @@ class SLRUPolicy:
             n -= 1
 
     def insert(self, key: bytes) -> None:
-        """A newly resident key: protected when it was evicted lately (a ghost), else on probation."""
-        if key in self._prob or key in self._prot:
+        """A newly resident key: protected when it was evicted lately (a ghost), else on probation.
+
+        Its parent (the block before it in its chain) is remembered: the ghost's record of it, or
+        for a key never seen the key used last (a block is stored right after the one before it;
+        a request that found nothing at all is taken for the next part of the chain before it,
+        which is harmless)."""
+        if key in self._parent:
             self.touch(key)
             return
         h = hash(key)
-        ghost = self._ghost.pop(h, None)
-        self._parent[key] = self._follow(key, ghost)
-        if ghost is not None:
-            self._protect(key)
-        else:
+        parent = self._ghost.pop(h)
+        if parent is None:
+            self._parent[key] = self._prev
             self._prob[key] = None
-        self._sample(key)
+        else:
+            if parent != self._prev and self.chains:
+                self._new_chain()
+            self._parent[key] = parent
+            self._protect(key)
+        if self.chains:
+            self._burst.append(key)
+        self._prev = h
+        c = zlib.crc32(key)
+        if not c % self.rate:
+            self._shadow(c)
 
     def touch(self, key: bytes) -> None:
         """A use of a resident key: from probation to protected, or to protected's recent end."""
+        parent = self._parent.get(key)
+        if parent is None:
+            return
+        if self.chains:
+            if parent != self._prev:
+                self._new_chain()
+            self._burst.append(key)
+        self._prev = hash(key)
         if key in self._prot:
-            self._follow(key, self._parent.get(key, 0))
             self._prot.move_to_end(key)
-        elif key in self._prob:
-            self._follow(key, self._parent.get(key, 0))
+        else:
             del self._prob[key]
             self._protect(key)
-        else:
-            return
-        self._sample(key)
+        c = zlib.crc32(key)
+        if not c % self.rate:
+            self._shadow(c)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """:meth:`touch` of each key, in order."""
@@ -225,18 +252,15 @@ class SLRUPolicy:
 
     def remove(self, key: bytes, evicted: bool = True) -> None:
         """Forget a key; an evicted one (not one freed on purpose) is remembered as a ghost."""
+        parent = self._parent.pop(key, None)
+        if parent is None:
+            return
         if key in self._prob:
             del self._prob[key]
-        elif key in self._prot:
-            del self._prot[key]
         else:
-            return
-        parent = self._parent.pop(key, 0)
+            del self._prot[key]
         if evicted:
-            ghost = self._ghost
-            ghost[hash(key)] = parent
-            if len(ghost) > self._ghost_cap:
-                ghost.popitem(last=False)
+            self._ghost.add(hash(key), parent)
 
     def victim(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         """The key to evict next among those ``can_evict`` accepts, or None."""
