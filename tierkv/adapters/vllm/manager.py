@@ -45,9 +45,16 @@ from tierkv.adapter import (
     samples,
 )
 
-__all__ = ["RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager", "vllm_metric_definitions"]
+__all__ = ["STATS_INTERVAL_S", "RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager",
+           "vllm_metric_definitions"]
 
 log = logging.getLogger("tierkv.vllm")
+
+#: vLLM asks for the connector's stats after every engine step; tierkv builds them at most this
+#: often (counters add up and histograms keep their observations in between, so nothing is lost).
+#: A full snapshot costs 1-3 ms on a 2-core machine (every pool's slot counts), which every
+#: request's first step paid (docs/performance.md, "In a serving engine")
+STATS_INTERVAL_S = 1.0
 
 _RESULT = {
     KeyState.READY: LookupResult.HIT,
@@ -182,6 +189,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._closed = False
         self._cleanup = list(cleanup or [])
         self._deltas = CounterDeltas()
+        self._stats_at = -float("inf")
         self._rate = RateMeter(self.layout.tokens_per_block) if measure_recompute else None
         if enable_events:
             self.engine.subscribe_evictions(self._on_evict)
@@ -312,7 +320,12 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.engine.clear()
 
     def get_stats(self) -> Any:
-        """tierkv's counters since the last call and its gauges, as vLLM's connector stats."""
+        """tierkv's counters since the last report and its gauges, as vLLM's connector stats; None
+        within :data:`STATS_INTERVAL_S` of the last report (vLLM asks after every step)."""
+        now = time.monotonic()
+        if now - self._stats_at < STATS_INTERVAL_S:
+            return None
+        self._stats_at = now
         try:
             return self._deltas.stats(samples(self.store.stats()), self.store.latency_observations())
         except ImportError:
