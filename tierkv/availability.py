@@ -3,9 +3,11 @@
 A store opens its primary at once and each lower tier in the background (:meth:`TierWatch.attach`):
 its start waits for a tier at most ``open_timeout_s``; a tier that has not answered by then joins
 when it answers (``required: true`` fails the start instead). While a tier is down (it never
-opened, a whole batch of writes failed, a read or probe raised) lookups do without it, its writes
-wait in a bounded queue, and a health check asks it every ``health_interval_s`` whether it answers
-again; once it does, the queued writes of blocks still in the primary are written.
+opened, batches of writes failed, its writes stalled, reads or probes raised: :mod:`tierkv.health`)
+lookups do without it, its writes wait in a bounded queue, and a health check asks it every
+``health_interval_s`` whether it answers again; once it does, the queued writes of blocks still in
+the primary are written. A tier that is up but whose last batch of writes failed wholly is asked
+the same way before its queue is written; a tier whose writes stall is found by the same check.
 
 A tier whose first open fails for a reason that waiting will not cure (a bad setting, a missing
 bucket, wrong credentials, no permission) fails the start with that error, as before.
@@ -21,16 +23,22 @@ import anyio
 
 from tierkv.backends.base import Tier
 from tierkv.bridge import LoopBridge
+from tierkv.cascade import REDO_BATCH
 from tierkv.errors import BackendError, unavailable
 from tierkv.gateway import TierGateway
 from tierkv.pool import SlotPool
 
-__all__ = ["LowerTiers", "TierWatch"]
+__all__ = ["LowerTiers", "Recascade", "TierWatch"]
+
+#: ``recascade(group, keys, slots, gateway, attempts)``: write ``keys`` (in ``slots`` of the
+#: primary) again to that tier only, after ``attempts`` failed writes
+Recascade = Callable[[int, list[bytes], list[int], TierGateway, int], None]
 
 log = logging.getLogger("tierkv")
 
-#: blocks re-cascaded per step of the retry queue
-REDO_BATCH = 256
+#: the pause between two steps of writing a retry queue (each step is ``REDO_BATCH`` blocks at
+#: most; a step the tier's queue has no room for goes back to the retry queue)
+REDO_STEP_S = 0.1
 #: the longest pause between two attempts to open a tier that is down
 MAX_BACKOFF_S = 30.0
 
@@ -39,9 +47,10 @@ class TierWatch:
     """Attaches one lower tier in the background, checks it while it is down, writes its queue."""
 
     def __init__(self, bridge: LoopBridge, gateway: TierGateway, pools: Mapping[int, SlotPool],
-                 recascade: Callable[[int, list[bytes], list[int], TierGateway], None]) -> None:
+                 recascade: Recascade) -> None:
         self._bridge = bridge
         self.gw = gateway
+        gateway.health.keeps_retries = True  # this watch writes its retry queue
         self._pools = pools
         self._recascade = recascade
         #: set once the tier opened (or its first open failed for good: see :attr:`fatal`)
@@ -94,44 +103,45 @@ class TierWatch:
             log.exception("background work of tier %d (%s) failed", self.gw.index, self.tier.describe())
 
     async def _watch(self) -> None:
-        """While down: ask every ``health_interval_s`` whether it answers; while up: write what
-        waits in the retry queue."""
+        """Every ``health_interval_s``: whether its writes stall; while down, or up with queued
+        writes after a batch failed wholly, ask whether it answers; then write what waits in the
+        retry queue (in steps of ``REDO_BATCH`` blocks, ``REDO_STEP_S`` apart)."""
         interval = self.gw.cfg.health_interval_s
+        health = self.gw.health
+        pause = interval
         while True:
-            await anyio.sleep(interval)
-            if not self.gw.up:
+            await anyio.sleep(pause)
+            pause = interval
+            with self._bridge.lock:
+                self.gw.check_stall(time.monotonic())
+                ask = not self.gw.up or (bool(health.redo) and not health.answers)
+            if ask:
                 try:
                     with anyio.fail_after(max(interval, self.gw.cfg.open_timeout_s)):
                         await self.tier.check()
                 except Exception as exc:
                     with self._bridge.lock:
-                        self.gw.health.down_reason = (str(exc)[:300] or type(exc).__name__) if not isinstance(
-                            exc, TimeoutError) else "no answer to the health check"
+                        if self.gw.up:
+                            health.read(False, exc)  # several in a row: down
+                        if not self.gw.up:
+                            health.down_reason = (str(exc)[:300] or type(exc).__name__) if not isinstance(
+                                exc, TimeoutError) else "no answer to the health check"
                     continue
                 with self._bridge.lock:
-                    self.gw.health.set_up(True)
-            self._redo()
+                    health.set_up(True)
+            if self._redo():
+                pause = min(interval, REDO_STEP_S)
 
-    def _redo(self) -> None:
-        """Cascade again, to this tier, the queued blocks still ready in the primary."""
+    def _redo(self) -> bool:
+        """Cascade again, to this tier, queued blocks still ready in the primary (one step);
+        whether the queue holds more."""
         with self._bridge.lock:
-            gw = self.gw
-            redo = gw.health.redo
-            if not redo or not gw.up:
-                return
-            by_group: dict[int, tuple[list[bytes], list[int]]] = {}
-            for _ in range(min(REDO_BATCH, len(redo))):
-                (group, key), _attempts = redo.popitem(last=False)
-                pool = self._pools.get(group)
-                slot = pool.slot_of(key) if pool is not None and pool.is_ready(key) else None
-                if slot is None:
-                    gw.stats.stores_requeue_dropped += 1  # it left the primary meanwhile
-                    continue
-                keys, slots = by_group.setdefault(group, ([], []))
-                keys.append(key)
-                slots.append(slot)
-            for group, (keys, slots) in by_group.items():
-                self._recascade(group, keys, slots, gw)
+            redo = self.gw.health.redo
+            if not redo or not (self.gw.up and self.gw.health.answers):
+                return False
+            for group, attempts, keys, slots in self.gw.health.due(self._pools, REDO_BATCH):
+                self._recascade(group, keys, slots, self.gw, attempts)
+            return bool(redo)
 
 
 class LowerTiers:
@@ -139,7 +149,7 @@ class LowerTiers:
     close's bounds (``close_timeout_s``) and what it leaves behind."""
 
     def __init__(self, bridge: LoopBridge, gateways: Sequence[TierGateway], pools: Mapping[int, SlotPool],
-                 recascade: Callable[[int, list[bytes], list[int], TierGateway], None]) -> None:
+                 recascade: Recascade) -> None:
         self._bridge = bridge
         self.gateways = list(gateways)
         self.watches = [TierWatch(bridge, gw, pools, recascade) for gw in self.gateways]

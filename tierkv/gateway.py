@@ -368,28 +368,43 @@ class TierGateway:
                 return False
             if self.backlog_s(nbytes) > self.cfg.shed_after_s:
                 return False
+        if not self.store_admitted_ops:
+            self.health.waiting(time.monotonic())
         self.store_admitted_bytes += nbytes
         self.store_admitted_ops += 1
         return True
 
-    def shed(self, nkeys: int) -> None:
-        """Count ``nkeys`` blocks not written because :meth:`admit_store` refused them."""
+    def shed(self, nkeys: int, group: int = 0, keys: Sequence[bytes] = ()) -> None:
+        """Count ``nkeys`` blocks not written because :meth:`admit_store` refused them; ``keys``
+        (of ``group``) are kept aside, and queued for a retry if the tier turns out to stall."""
         self.stats.stores_shed += nkeys
+        if keys:
+            self.health.shed(group, keys)
+
+    def check_stall(self, now: float) -> bool:
+        """Take the tier for down when its waiting writes got no answer for too long
+        (:meth:`TierHealth.check_stall`); whether it is down. Call under the lock."""
+        return self.health.check_stall(now, self.store_admitted_ops > 0)
 
     async def store(self, group: int, keys: list[bytes], src: torch.Tensor,
-                    rows: Sequence[int] | None, nbytes: int) -> list[bool]:
+                    rows: Sequence[int] | None, nbytes: int, attempts: int = 0) -> list[bool]:
         """Write ``src[rows[i]]`` (or ``src[i]``) as ``keys[i]``; per key, whether it is stored.
 
         ``nbytes`` must have been admitted by :meth:`admit_store`. Waits its turn for the bytes
         in flight, then writes (runs of rows in place, scattered rows from one gathered copy);
-        failures are counted, never raised. ``src`` must not change until this returns.
+        failures are counted, never raised, and those because the tier did not answer are queued
+        for a retry (``attempts``: failed writes of these keys before, for a retry).
+        ``src`` must not change until this returns.
         """
         ok = [False] * len(keys)
         block = src.shape[1] * src.element_size()
         rows = list(range(len(keys))) if rows is None else rows
         elapsed: float | None = None
+        outages = self.health.outages
         acquired = False
         raised: list[BaseException] = []
+        #: set when a call's records failed because the tier did not answer (it counted them)
+        unanswered: list[bool] = []
 
         scattered = self._scattered(src)
         src8 = as_bytes(src, src.shape[0], block) if scattered else src
@@ -402,12 +417,20 @@ class TierGateway:
                 async with self._write_limiter:
                     with self._lock:
                         self.stats.inflight_ops += 1
+                    # the tier counts the records it could not write because it did not answer
+                    # within this call (another call's may land in the window too: retried, bounded)
+                    down_before = self.tier.counters.get("unavailable_errors", 0)
                     try:
                         res = await (self.tier.put_rows(group, sub, data, at) if scattered
                                      else self.tier.put(group, sub, data))
                     finally:
                         with self._lock:
                             self.stats.inflight_ops -= 1
+                if not all(res) and self.tier.counters.get("unavailable_errors", 0) > down_before:
+                    unanswered.append(True)
+                if any(res):
+                    with self._lock:
+                        self.health.answered()  # the tier answers: not a stall
                 for i, good in zip(plan.positions, res, strict=True):
                     ok[i] = bool(good)
             except Exception as exc:  # a failing lower tier never reaches the caller
@@ -419,6 +442,7 @@ class TierGateway:
             await self._store_budget.acquire(nbytes)
             acquired = True
             t0 = time.monotonic()
+            outages = self.health.outages  # from the moment it writes: not the wait for the budget
             async with anyio.create_task_group() as tg:
                 for plan in plan_rows(rows, block, scattered=scattered):
                     tg.start_soon(put, plan)
@@ -436,9 +460,11 @@ class TierGateway:
                 self.stats.stores += n_ok
                 self.stats.stores_failed += len(keys) - n_ok
                 self.health.stored(group, [k for k, good in zip(keys, ok, strict=True) if not good], n_ok,
-                                   raised)
+                                   raised, attempts, bool(unanswered))
                 self.stats.bytes_written += n_ok * block
-                if elapsed is not None and nbytes:
+                # a write that waited out an outage (the tier went down meanwhile: a stall) says
+                # nothing of the tier's speed: its sample would shed stores long after it answers
+                if elapsed is not None and nbytes and self.health.outages == outages:
                     sample = elapsed / (nbytes / MIB)
                     self.ema_s_per_mib = sample if self.ema_s_per_mib == 0.0 else (
                         self.ema_s_per_mib + EMA_ALPHA * (sample - self.ema_s_per_mib))
@@ -593,6 +619,7 @@ class TierGateway:
         s.used_bytes = self.tier.used_bytes() if self.up else None
         s.backend = dict(self.tier.counters)
         s.up = int(self.up)
+        s.requeue_waiting = len(self.health.redo)
         s.down_reason = self.health.down_reason
         return s
 

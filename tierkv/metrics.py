@@ -86,6 +86,8 @@ class TierStats(BaseModel):
     up: int = 1
     stores_requeued: int = 0
     stores_requeue_dropped: int = 0
+    #: blocks waiting in the retry queue now (written once the tier answers)
+    requeue_waiting: int = 0
     stores_abandoned: int = 0
     #: why the tier is down (empty while it is up)
     down_reason: str = ""
@@ -203,6 +205,8 @@ TIER_METRICS: dict[str, Metric] = {
                               "Failed writes queued to be written again when the tier answers", _TIER),
     "stores_requeue_dropped": Metric("tier_stores_requeue_dropped_total", "counter",
                                      "Failed writes not retried (queue full, left the primary)", _TIER),
+    "requeue_waiting": Metric("tier_requeue_waiting", "gauge",
+                              "Blocks waiting in the retry queue for the tier to answer", _TIER),
     "stores_abandoned": Metric("tier_stores_abandoned_total", "counter",
                                "Blocks close() could not write within close_timeout_s", _TIER),
 }

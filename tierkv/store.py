@@ -273,7 +273,9 @@ class TieredStore:
             self._engine.notify_evicted(group, keys)
 
     async def flush(self) -> None:
-        """Wait until every admitted cascade has finished (or failed, counted in ``stats()``)."""
+        """Wait until every admitted cascade has finished (or failed, counted in ``stats()``), then
+        write the retry queue of every lower tier that is up and answers (a tier that is down keeps
+        its queue until its health check: docs/tiers.md, "Outages, stalls and the retry queue")."""
         if self._cascader is not None:
             await self._cascader.flush()
 
