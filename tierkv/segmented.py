@@ -1,5 +1,5 @@
-"""The ``slru`` eviction policy: segmented LRU with ghost admission and a protected share it picks
-online (docs/traffic.md has the traces and figures behind it).
+"""The ``slru`` eviction policy: segmented LRU with ghost admission, chains evicted from their end,
+and a protected share it picks online (docs/traffic.md has the traces and figures behind it).
 
 Keys enter a *probation* segment. A key used again while resident, or inserted again soon after
 it was evicted (its hash is still in the *ghost* list), moves to the *protected* segment; a key
@@ -8,17 +8,26 @@ trace are never used again), is evicted from probation without pushing out what 
 Protected holds at most ``share`` of the capacity; past it, its least recently used keys are
 demoted to probation's recent end. Eviction takes probation's least recently used key first.
 
-No one share suits every workload: a small pool wants nearly all of it protected, a pool that holds
-most of the working set wants plain LRU (``share`` 0 *is* LRU, exactly). So the policy runs a few
-key-only *shadow* caches, one per candidate share, over a sample of the keys (a fixed hash picks
-one key in ``rate``; each shadow is ``rate`` times smaller), counts the hits each would have had,
-and every ``period`` sampled accesses adopts the share whose shadow did best, with older counts
-decayed. It starts as LRU.
+Chains: a request walks its prefix root first, so recency alone would evict a chain's root first
+and keep the rest of it, useless (a block is of use only after every block before it). Each key's
+parent is remembered (the key used right before it when it was first stored; the ghost keeps it
+across an eviction); when an access does not follow its parent, the chain walked last is made
+recent deepest first, so that it is evicted from its end. No call of the pool's tells the policy
+where a request starts: a wrong guess only reorders recent keys.
 
-Every operation is O(1) (the shadows see one key in ``rate``); a change of share demotes at most
-:data:`DEMOTE_STEP` keys per call, so no call stalls on a large pool. ``victims`` never changes
-state. Memory: per resident key one dict entry; the ghost holds up to ``ghost_factor`` x capacity
-key hashes; the shadows about ``(1 + ghost_factor) * capacity * len(shares) / rate`` ints.
+No one share suits every workload: a small pool wants nearly all of it protected, a pool that holds
+most of the working set wants plain LRU (``share`` 0 is LRU, exactly so with ``chains=False``). So
+the policy runs a few key-only *shadow* caches, one per candidate share, over a sample of the keys
+(a fixed hash picks one key in ``rate``; each shadow is ``rate`` times smaller), counts the prefix
+hits each would have had (a hit counts while the chain's sampled blocks before it hit too), and every
+``period`` sampled accesses adopts the share whose shadow did best, with older counts decayed. It
+starts as LRU.
+
+Every operation is O(1), amortized (a chain is reordered once, when the next one starts; the
+shadows see one key in ``rate``); a change of share demotes at most :data:`DEMOTE_STEP` keys per
+call, so no call stalls on a large pool. ``victims`` never changes the order. Memory: per resident
+key two dict entries; the ghost holds about ``ghost_factor`` x capacity key hashes (2/3 to 4/3 of
+it); the shadows about ``(1 + ghost_factor) * capacity * len(shares) / rate`` ints.
 """
 
 from __future__ import annotations
