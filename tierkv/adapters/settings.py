@@ -32,7 +32,7 @@ class EngineSettings(StrictNumbers):
     namespace: str = ""
     #: sizes recurrent (Mamba) pools: this many requests' states at least
     max_concurrent_requests: Count = 8
-    eviction_policy: Literal["lru", "arc"] = "lru"
+    eviction_policy: Literal["slru", "lru", "arc"] = "slru"
     #: pins of a request that made no call for this long are dropped (an engine may never finish it)
     pin_lease_s: Seconds = 300.0
 
