@@ -14,7 +14,12 @@ one JSON command per line from stdin, answering each with one ``[tierkv-bench] {
   ids (:func:`prompt_tokens`), ``max_tokens=1``; answers the wall time of ``LLM.generate``,
   vLLM's request metrics (``first_token_latency``, queued/scheduled/first-token timestamps),
   ``num_cached_tokens``, the token and its logprob, and where the engine spent the time
-  (:class:`Trace`).
+  (:class:`Trace`). ``"tokens": [...]`` gives the prompt instead of ``seed``/``length``,
+  ``"max_tokens": n`` more output tokens, ``"settle": "scheduler"`` waits before it only for the
+  scheduler to finish the previous request (its stores reported), not for tierkv's cascades.
+* ``{"cmd": "profile", "action": "start"}`` / ``{"cmd": "profile", "action": "stop", "path": P}``:
+  cProfile of this process's main thread (the engine's steps) between the two; ``stop`` writes
+  the pstats to ``P``.
 * ``{"cmd": "reset"}``: ``llm.reset_prefix_cache()`` (vLLM's own prefix cache; tierkv's pool
   keeps its blocks).
 * ``{"cmd": "idle", "wait_s": s}``: step the engine until nothing is pending (see :func:`_idle`);
@@ -110,6 +115,10 @@ MODELS: dict[str, ModelShape] = {
                              extra={"use_sliding_window": False, "max_window_layers": 28}),
     "tiny": ModelShape("tiny", "LlamaForCausalLM", "llama", layers=2, hidden=256, heads=4, kv_heads=2,
                        head_dim=64, intermediate=512, vocab=1000),
+    "tiny-3l": ModelShape("tiny-3l", "LlamaForCausalLM", "llama", layers=3, hidden=256, heads=4, kv_heads=2,
+                          head_dim=64, intermediate=512, vocab=1000),
+    "micro-3l": ModelShape("micro-3l", "LlamaForCausalLM", "llama", layers=3, hidden=64, heads=2, kv_heads=1,
+                           head_dim=32, intermediate=128, vocab=1000),
 }
 
 
@@ -216,19 +225,26 @@ class Trace:
 
 
 def _manager(llm: Any) -> Any:
-    """tierkv's manager inside the engine (None when it cannot be reached)."""
+    """tierkv's manager inside the engine (None when it cannot be reached, or is not tierkv's)."""
+    from tierkv.adapters.vllm.manager import TierKVOffloadingManager
+
     try:
-        return llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
     except AttributeError:
         return None
+    return manager if isinstance(manager, TierKVOffloadingManager) else None
 
 
 def _generate(llm: Any, cmd: dict[str, Any], vocab: int, trace: Trace) -> dict[str, Any]:
     from vllm import SamplingParams  # type: ignore[import-not-found,unused-ignore]
 
-    tokens = prompt_tokens(int(cmd["seed"]), int(cmd["length"]), vocab)
-    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True)
-    before = _idle(llm, float(cmd.get("wait_s", 1200)))  # nothing left over from the previous request
+    given = cmd.get("tokens")
+    tokens = ([int(t) for t in given] if given is not None
+              else prompt_tokens(int(cmd["seed"]), int(cmd["length"]), vocab))
+    sp = SamplingParams(max_tokens=int(cmd.get("max_tokens", 1)), temperature=0.0, logprobs=1,
+                        detokenize=False, ignore_eos=True)
+    # nothing left over from the previous request (its cascades too, unless settle says otherwise)
+    before = _idle(llm, float(cmd.get("wait_s", 1200)), cascades=cmd.get("settle", "all") == "all")
     trace.take()
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
@@ -253,9 +269,9 @@ def _generate(llm: Any, cmd: dict[str, Any], vocab: int, trace: Trace) -> dict[s
     return res
 
 
-def _idle(llm: Any, timeout: float) -> dict[str, Any]:
+def _idle(llm: Any, timeout: float, cascades: bool = True) -> dict[str, Any]:
     """Step the engine until its scheduler has nothing left: no request, no transfer job of the
-    connector, no pending work in tierkv (cascades written).
+    connector, and (``cascades``) no pending work in tierkv (cascades written).
 
     ``LLM.generate`` returns as soon as its requests finish, but the offloading connector learns
     that a request's stores are done, and tierkv starts cascading them, only in a later engine step
@@ -271,12 +287,32 @@ def _idle(llm: Any, timeout: float) -> dict[str, Any]:
         llm.llm_engine.step()
         steps += 1
         time.sleep(0.002)  # leave the GIL to tierkv's I/O thread
-    manager = _manager(llm)
+    manager = _manager(llm) if cascades else None
     while manager is not None and manager.has_pending_work():
         if time.monotonic() - t0 > timeout:
             return {"idle": False, "waited_s": time.monotonic() - t0, "steps": steps}
         time.sleep(0.01)
     return {"idle": True, "waited_s": time.monotonic() - t0, "steps": steps}
+
+
+_PROFILER: list[Any] = []
+
+
+def _profile(cmd: dict[str, Any]) -> dict[str, Any]:
+    """Start cProfile on this thread, or stop it and write its pstats to ``cmd["path"]``."""
+    import cProfile
+
+    if cmd.get("action") == "start":
+        prof = cProfile.Profile()
+        _PROFILER[:] = [prof]
+        prof.enable()
+        return {"profiling": True}
+    if not _PROFILER:
+        return {"profiling": False}
+    prof = _PROFILER.pop()
+    prof.disable()
+    prof.dump_stats(str(cmd["path"]))
+    return {"profiling": False, "path": str(cmd["path"])}
 
 
 def _stats(llm: Any) -> dict[str, Any] | None:
@@ -331,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 emit("idle", **_idle(llm, float(cmd.get("wait_s", 600))))
             elif name == "stats":
                 emit("stats", stats=_stats(llm))
+            elif name == "profile":
+                emit("profile", **_profile(cmd))
             elif name == "quit":
                 llm.llm_engine.engine_core.shutdown()
                 emit("bye")
