@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from tierkv.tools.bench import serving
 from tierkv.tools.bench.serving import main, summarize
 
 RESTORED = ("cpu", "file_warm")
@@ -114,7 +113,7 @@ def _without(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
             return object()
         return real(name, package)
 
-    monkeypatch.setattr(serving.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
 
 def test_missing_vllm_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,

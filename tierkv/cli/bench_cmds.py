@@ -62,8 +62,10 @@ def add_bench(sub: Any) -> None:
     t.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     t.set_defaults(func=_bench_tier)
     s = bsub.add_parser("serving", formatter_class=Formatter, add_help=False,
-                        help="TTFT of a real vLLM engine restoring from tierkv (needs vLLM)",
-                        description="Run `tierkv bench serving --help` for its options.")
+                        help="TTFT of a real vLLM engine restoring from tierkv, or a Mooncake trace "
+                             "replayed through it (--trace FILE; needs vLLM)",
+                        description="Run `tierkv bench serving --help` (or `--trace FILE --help`) for its "
+                                    "options.")
     s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     s.set_defaults(func=_bench_serving)
 

