@@ -53,7 +53,7 @@ log = logging.getLogger("tierkv.vllm")
 #: vLLM asks for the connector's stats after every engine step; tierkv builds them at most this
 #: often (counters add up and histograms keep their observations in between, so nothing is lost).
 #: A full snapshot costs 1-3 ms on a 2-core machine (every pool's slot counts), which every
-#: request's first step paid (docs/performance.md, "In a serving engine")
+#: request's first step paid (docs/performance.md, "Serving a Mooncake trace")
 STATS_INTERVAL_S = 1.0
 
 _RESULT = {
