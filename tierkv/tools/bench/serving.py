@@ -103,9 +103,11 @@ from tierkv.tools.bench.serving_engine import MODELS, ModelShape, write_model_di
 from tierkv.tools.bench.serving_options import (
     PROG,
     Options,
+    Terminated,
     add_arguments,
     build_parser,
     check_requirements,
+    on_sigterm,
     options_from_args,
     workdir,
 )
@@ -399,14 +401,6 @@ def run_serving(opts: Options, report: Reporter | None = None) -> dict[str, Any]
     }
 
 
-class _Terminated(BaseException):
-    pass
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed arguments (what ``tierkv bench serving`` calls); returns the exit status."""
     from rich.console import Console
@@ -415,7 +409,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     err = Console(stderr=True)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         check_requirements(opts)
         n_src = len([s for s in opts.sources if s in ("file_warm", "file_cold", "s3")])
@@ -454,7 +448,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except BenchError as exc:
         err.print(f"{PROG}: error: {exc}", highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         err.print(f"{PROG}: interrupted (engines, S3 server and shared memory cleaned up)", highlight=False,
                   soft_wrap=True)
         return 130

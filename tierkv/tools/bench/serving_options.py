@@ -67,7 +67,17 @@ def _sources(text: str) -> tuple[str, ...]:
     return tuple(s for s in SOURCES if s in names or s == "cold")
 
 
-def _positive(text: str) -> int:
+class Terminated(BaseException):
+    """SIGTERM, raised where the benchmark runs so that it cleans up as on Ctrl-C."""
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that raises :class:`Terminated`."""
+    raise Terminated()
+
+
+def positive(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1."""
     try:
         n = int(text)
     except ValueError:
@@ -87,14 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sources", type=_sources, default=DEFAULT_SOURCES,
                    help="where restored prefixes come from, comma-separated, of "
                         f"{','.join(SOURCES)} (default {','.join(DEFAULT_SOURCES)}; cold is always measured)")
-    p.add_argument("--repeats", type=_positive, default=1, help="run everything N times; medians reported")
+    p.add_argument("--repeats", type=positive, default=1, help="run everything N times; medians reported")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw TTFT against prompt length (needs matplotlib)")
     p.add_argument("--dir", default=None,
                    help="working directory (models, tiers, engine logs); default a temporary one, removed")
     p.add_argument("--quick", action="store_true", help="tiny model, 256/512 tokens (about a minute)")
-    p.add_argument("--block-size", type=_positive, default=32, help="vLLM block size in tokens")
+    p.add_argument("--block-size", type=positive, default=32, help="vLLM block size in tokens")
     p.add_argument("--codec", choices=["none", "zstd", "zstd-shuffle"], default="none",
                    help="record codec of the file and S3 tiers")
     p.add_argument("--cold-method", choices=["drop_caches", "fadvise"], default="drop_caches",

@@ -76,6 +76,7 @@ from typing import Any
 from tierkv.errors import BenchError
 from tierkv.tools.bench.engine_process import EngineProcess
 from tierkv.tools.bench.serving_engine import MODELS, ModelShape, write_model_dir
+from tierkv.tools.bench.serving_options import Terminated, on_sigterm, positive
 from tierkv.tools.bench.serving_trace_report import breakdown, ms, render, summarize_system
 from tierkv.tools.bench.trace_serving import (
     Scaling,
@@ -119,16 +120,6 @@ class TraceOptions:
     interleave: int = 1
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return n
-
-
 def _positive_float(text: str) -> float:
     try:
         x = float(text)
@@ -156,18 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens served from cache, TTFT p50/p90, and the trace's ceiling."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", required=True, metavar="FILE", help="the Mooncake JSONL trace")
-    p.add_argument("--requests", type=_positive, default=300, help="replay the first N requests")
+    p.add_argument("--requests", type=positive, default=300, help="replay the first N requests")
     p.add_argument("--json", action="store_true",
                    help='print {"results": [...], "ceiling_tokens": N} on stdout')
     p.add_argument("--details", metavar="FILE.json", default=None,
                    help="write every request's figures and tierkv's stats to FILE.json")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny-3l", help="model shape (dummy weights)")
-    p.add_argument("--ids-per-request", type=_positive, default=16, help="hash ids kept per request")
-    p.add_argument("--tokens-per-id", type=_positive, default=32,
+    p.add_argument("--ids-per-request", type=positive, default=16, help="hash ids kept per request")
+    p.add_argument("--tokens-per-id", type=positive, default=32,
                    help="tokens per hash id (vLLM's block size)")
-    p.add_argument("--max-output", type=_positive, default=4, help="output tokens per request at most")
+    p.add_argument("--max-output", type=positive, default=4, help="output tokens per request at most")
     p.add_argument("--cpu-pool-mib", type=_positive_float, default=24.0, help="tierkv's CPU pool (MiB)")
-    p.add_argument("--vllm-cache-blocks", type=_positive, default=128,
+    p.add_argument("--vllm-cache-blocks", type=positive, default=128,
                    help="vLLM's own KV cache, in blocks (its prefix cache)")
     p.add_argument("--systems", type=_systems, default=DEFAULT_SYSTEMS,
                    help=f"what to compare, comma-separated, of {','.join(_CHOOSABLE)}")
@@ -183,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="cProfile each engine's replay (pstats files in --dir, named in --details)")
     p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds one request may take")
-    p.add_argument("--interleave", type=_positive, default=1,
+    p.add_argument("--interleave", type=positive, default=1,
                    help="requests each system runs before the next system's turn (all engines stay up)")
     return p
 
@@ -389,14 +380,6 @@ def run_trace(opts: TraceOptions, report: Any = None) -> dict[str, Any]:
 
 
 # ---- the command ---------------------------------------------------------------------------------
-class _Terminated(BaseException):
-    pass
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed arguments; returns the exit status (0 ran, 2 error, 130 interrupted)."""
     from rich.console import Console
@@ -406,7 +389,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     err = Console(stderr=True)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
 
     def report(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -429,7 +412,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except BenchError as exc:
         err.print(f"tierkv bench serving: error: {exc}", highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         print(f"{PROG}: interrupted (engines, file tiers and shared memory cleaned up)", file=sys.stderr)
         return 130
     except OSError as exc:
