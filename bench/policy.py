@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from tierkv.policy import POLICIES, make_policy
-from tierkv.tools.trace import read_trace
+from tierkv.tools.traces import read_trace
 
 Call = tuple[str, Any]
 

@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from tierkv.tools.replay import ReplayOptions, replay
-from tierkv.tools.trace import belady_hit_rate, read_trace
+from tierkv.tools.traces import belady_hit_rate, read_trace
 
 CAPACITIES = [500, 1000, 2000, 4000, 6000, 10000, 20000, 50000]
 

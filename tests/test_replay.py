@@ -17,7 +17,7 @@ from helpers import ctrl_c
 
 from tierkv.cli import main
 from tierkv.tools.replay import ReplayOptions, replay
-from tierkv.tools.trace import TraceRequest, belady_hit_rate, read_trace
+from tierkv.tools.traces import TraceRequest, belady_hit_rate, read_trace
 
 
 def write_trace(path: Path, requests: list[tuple[int, list[int]]]) -> Path:

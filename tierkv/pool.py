@@ -22,10 +22,8 @@ __all__ = [
     "SlotPool",
     "SlotState",
     "allocate_pool_tensor",
-
     "plan_pools",
     "shared_pool_tensors",
-
 ]
 
 
@@ -302,9 +300,8 @@ class SlotPool:
         writing = sum(1 for s in range(self.num_slots) if self.state[s] is SlotState.WRITING)
         if writing != self.writing:
             out.append(f"group {g}: writing count {self.writing}, actually {writing}")
-        for s, token, now in self.refused[:8]:
-            out.append(f"group {g}: a write into slot {s} (allocation {token}) was refused: the slot"
-                       f" is allocation {now} now")
+        out += [f"group {g}: a write into slot {s} (allocation {t}) was refused: the slot is allocation {n}"
+                f" now" for s, t, n in self.refused[:8]]
         return out
 
     # ---- transitions ---------------------------------------------------------------------------
@@ -327,18 +324,16 @@ class SlotPool:
             self.on_evict(victims)
         slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
         self.writing += len(slots)
-        gen = self.gen
         for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING
             self.slot_key[s] = key
             self.index[key] = s
-            gen[s] += 1
+            self.gen[s] += 1
         return slots, victims
 
     def tokens(self, slots: Sequence[int]) -> list[int]:
         """The current generation of each of ``slots``: the tokens a writer keeps (see class docs)."""
-        gen = self.gen
-        return [gen[s] for s in slots]
+        return [self.gen[s] for s in slots]
 
     def owns(self, s: int, token: int) -> bool:
         """True when slot ``s`` is still WRITING under the allocation ``token`` names."""
@@ -351,9 +346,6 @@ class SlotPool:
         writer's: its bytes must not be served under any key.
         """
         ok = [self.owns(s, t) for s, t in zip(slots, tokens, strict=True)]
-        if all(ok):
-            self.mark_ready(slots)
-            return ok
         self.mark_ready([s for s, f in zip(slots, ok, strict=True) if f])
         self.refused += [(s, t, self.gen[s]) for s, t, f in zip(slots, tokens, ok, strict=True) if not f]
         return ok

@@ -62,7 +62,7 @@ def _rate(x: float | None) -> str:
 
 def _replay(args: argparse.Namespace) -> int:
     from tierkv.tools.replay import ReplayOptions, replay
-    from tierkv.tools.trace import read_trace
+    from tierkv.tools.traces import read_trace
 
     requests = read_trace(args.trace, args.requests)
     opts = ReplayOptions(block_tokens=args.block_tokens, cpu_blocks=args.cpu_blocks,

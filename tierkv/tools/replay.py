@@ -7,7 +7,7 @@ the cascade to lower tiers and the promotions back. Per request, as an engine do
 prefix found, ``release``; then ``put`` of the rest of the blocks, in runs, in order: a run the
 primary holds is only touched, a run it does not is stored (and cascades down).
 
-Accounting (:mod:`tierkv.tools.trace`): the request hits ``min(n * block_tokens, input_length)``
+Accounting (:mod:`tierkv.tools.traces`): the request hits ``min(n * block_tokens, input_length)``
 tokens, ``n`` the prefix found. Each of those blocks is credited to the tier that served it: the
 primary when it was ready there at the lookup, else the first lower tier that held it.
 """
@@ -28,7 +28,7 @@ from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
 from tierkv.record import encode_record
 from tierkv.store import Lookup, TieredStore
-from tierkv.tools.trace import TraceRequest, belady_hit_rate, hit_tokens
+from tierkv.tools.traces import TraceRequest, belady_hit_rate, hit_tokens
 
 __all__ = ["ReplayOptions", "ReplayResult", "TierResult", "block_key", "record_bytes", "replay"]
 

@@ -109,6 +109,7 @@ from tierkv.tools.bench.serving_options import (
     check_requirements,
     on_sigterm,
     options_from_args,
+    run_main,
     workdir,
 )
 from tierkv.tools.bench.serving_report import SOURCES, condense, plot, render, summarize
@@ -465,15 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tierkv.tools.bench import serving_trace
 
         return serving_trace.main(args_list)
-    try:
-        args = build_parser().parse_args(args_list)
-    except SystemExit as exc:  # argparse printed its message
-        return int(exc.code or 0) if isinstance(exc.code, int) else 2
-    try:
-        return run_from_args(args)
-    except KeyboardInterrupt:  # a second Ctrl-C during cleanup
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_main(build_parser, run_from_args, args_list, PROG)
 
 
 if __name__ == "__main__":

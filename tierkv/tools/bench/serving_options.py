@@ -7,8 +7,9 @@ import argparse
 import contextlib
 import importlib.util
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,21 @@ def _sources(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown source(s) {', '.join(bad) or '(none)'}: "
                                          f"choose from {','.join(SOURCES)}")
     return tuple(s for s in SOURCES if s in names or s == "cold")
+
+
+def run_main(build_parser: Callable[[], argparse.ArgumentParser], run: Callable[[argparse.Namespace], int],
+             argv: Sequence[str] | None, prog: str) -> int:
+    """Parse ``argv`` and ``run`` it: the exit status (2 for bad arguments, 130 for a Ctrl-C that
+    lands during cleanup), never a traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse printed its message (or --help)
+        return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # a second Ctrl-C during cleanup
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 class Terminated(BaseException):

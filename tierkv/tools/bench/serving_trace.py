@@ -10,7 +10,7 @@ The trace
     one JSON object a line, ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``,
     the ids of the prompt's 512-token blocks, chained (an id stands for its whole prefix: two
     requests share an id only where they share every block before it). Parsed by
-    :func:`tierkv.tools.trace.read_trace`; the first ``--requests`` lines are replayed.
+    :func:`tierkv.tools.traces.read_trace`; the first ``--requests`` lines are replayed.
 
 Scaling (a CPU engine cannot prefill 4 million tokens)
     A request keeps its first ``--ids-per-request`` hash ids; each id is one engine block of
@@ -76,7 +76,7 @@ from typing import Any
 from tierkv.errors import BenchError
 from tierkv.tools.bench.engine_process import EngineProcess
 from tierkv.tools.bench.serving_engine import MODELS, ModelShape, write_model_dir
-from tierkv.tools.bench.serving_options import Terminated, on_sigterm, positive
+from tierkv.tools.bench.serving_options import Terminated, on_sigterm, positive, run_main
 from tierkv.tools.bench.serving_trace_report import breakdown, ms, render, summarize_system
 from tierkv.tools.bench.trace_serving import (
     Scaling,
@@ -428,15 +428,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tierkv.tools.bench.serving_trace --trace FILE [options]``; returns the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse printed its message (or --help)
-        return int(exc.code or 0) if isinstance(exc.code, int) else 2
-    try:
-        return run_from_args(args)
-    except KeyboardInterrupt:  # a second Ctrl-C during cleanup
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_main(build_parser, run_from_args, argv, PROG)
 
 
 if __name__ == "__main__":

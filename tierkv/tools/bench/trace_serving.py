@@ -4,7 +4,7 @@ A Mooncake FAST'25 trace (``FAST25-release/traces/*.jsonl`` of github.com/kvcach
 one JSON object a line: ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``,
 the ids of the prompt's 512-token blocks, chained (an id stands for its whole prefix: two requests
 share an id only where they share every block before it). :func:`load_trace` reads it with
-:func:`tierkv.tools.trace.read_trace` (the parser ``tierkv replay`` uses).
+:func:`tierkv.tools.traces.read_trace` (the parser ``tierkv replay`` uses).
 
 :class:`Scaling` makes a trace request an engine request small enough for a CPU engine: it keeps
 the first ``ids_per_request`` hash ids; each id becomes one engine block of ``tokens_per_id``
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierkv.errors import BenchError, InvalidArgument
-from tierkv.tools.trace import TraceRequest, read_trace
+from tierkv.tools.traces import TraceRequest, read_trace
 
 __all__ = ["MOONCAKE_BLOCK_TOKENS", "Scaling", "TraceRequest", "ceiling_tokens", "id_tokens", "load_trace",
            "percentile", "prompt"]
@@ -35,7 +35,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
-    """The first ``limit`` requests of the trace at ``path`` (:func:`tierkv.tools.trace.read_trace`);
+    """The first ``limit`` requests of the trace at ``path`` (:func:`tierkv.tools.traces.read_trace`);
     a file that cannot be read, a malformed line or no request at all raise :class:`BenchError`."""
     try:
         out = read_trace(path, limit)
