@@ -1,4 +1,4 @@
-"""Batch record I/O (tierkv.backends.fsspec._batchio): the C module against its Python fallback, a plain
+"""Batch record I/O (tierkv.records.batchio): the C module against its Python fallback, a plain
 Python loop and fio, on records of 256 KiB, 1 MiB and 2 MiB in one directory.
 
     python bench/batchio.py [--sizes 256,1024,2048] [--mib 256] [--threads 4] [--batch 32]
@@ -9,7 +9,7 @@ Per size, ``--mib`` MiB of records (one file each), written then read with a war
 /proc/sys/vm/drop_caches``, as root; else each file's pages dropped with ``posix_fadvise``).
 Every system uses ``--threads`` threads:
 
-- *native*: ``tierkv._batchio``, calls of ``--batch`` records, each with ``threads=--threads``;
+- *native*: ``tierkv.records._batchio``, calls of ``--batch`` records, each with ``threads=--threads``;
   writes as the local tier's defaults make them: temporary file then rename, no fsync
   (``fsync: false``), ``O_DIRECT`` for records of 64 KiB and more (``direct_io: auto``); reads
   buffered (the tier reads buffered, docs/design.md);
@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tierkv.backends.fsspec import _batchio as batchio
 from tierkv.backends.fsspec._driver import temp_name
+from tierkv.records import batchio
 
 PHASES = ("store", "warm", "cold")
 #: warm loads are short (a page-cache copy): each round takes the median of this many passes

@@ -120,9 +120,9 @@ def breakdown(block: int, key_path: Path, base: Path) -> dict[str, float]:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     from tierkv.backends.fsspec._local import LocalSource
-    from tierkv.backends.recordread import none_heads, read_into
-    from tierkv.encryption import KeyRing
-    from tierkv.record import encode_record
+    from tierkv.records.encryption import KeyRing
+    from tierkv.records.format import encode_record
+    from tierkv.records.read import none_heads, read_into
 
     ring = KeyRing.from_files(str(key_path))
     fp, key = "0" * 32, b"breakdwn" + bytes(28)

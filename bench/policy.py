@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from tierkv.policy import POLICIES, make_policy
+from tierkv.blocks.policy import POLICIES, make_policy
 from tierkv.tools.traces import read_trace
 
 Call = tuple[str, Any]

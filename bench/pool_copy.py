@@ -23,7 +23,7 @@ import anyio
 import torch
 
 from tierkv import GroupSpec, Layout, TieredStore
-from tierkv.pool import SlotPool
+from tierkv.blocks.pool import SlotPool
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.admission import Admission, Promotion
+from tierkv.blocks.admission import Admission, Promotion
+from tierkv.blocks.pool import SlotPool
 from tierkv.errors import InvalidArgument
-from tierkv.pool import SlotPool
 
 FULL, REC = 0, 3
 TIER = 0  # position of the (only) lower tier

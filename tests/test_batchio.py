@@ -1,4 +1,4 @@
-"""Batch record I/O (tierkv.backends.fsspec._batchio): every case runs against the C module and the
+"""Batch record I/O (tierkv.records.batchio): every case runs against the C module and the
 pure-Python fallback, which must give the same results."""
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import torch
 from helpers import evict, extents
 from test_filesystems import full_tmpfs
 
-from tierkv.backends.fsspec import _batchio as batchio
-from tierkv.backends.fsspec import _batchio_py as batchio_py
-from tierkv.backends.fsspec import _directio as directio
 from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._local import probe_nowait
+from tierkv.records import _batchio_py as batchio_py
+from tierkv.records import batchio, directio
 
 __all__ = ["full_tmpfs"]
 
@@ -354,7 +353,8 @@ def test_the_c_module_is_built_where_a_compiler_is() -> None:
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if which(cc) is None or not Path(sysconfig.get_paths()["include"], "Python.h").exists():
         pytest.skip(f"no C compiler ({cc}) or no Python.h for {sys.executable}: the fallback is expected")
-    assert batchio.native_error() is None, "pip install -e . (scripts/dev) should have built tierkv._batchio"
+    assert batchio.native_error() is None, \
+        "pip install -e . (scripts/dev) should have built tierkv.records._batchio"
 
 
 @pytest.fixture(autouse=True)

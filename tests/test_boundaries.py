@@ -45,6 +45,6 @@ def test_every_adapter_name_resolves() -> None:
 def test_the_adapter_api_loads_only_what_is_asked_for() -> None:
     """A worker process that copies blocks needs :class:`DeviceTransfer`, not the store."""
     code = ("import sys; from tierkv.adapter import DeviceTransfer; "
-            "print(sorted(m for m in sys.modules if m in ('tierkv.store', 'tierkv.gateway')))")
+            "print(sorted(m for m in sys.modules if m in ('tierkv.store', 'tierkv.movement.gateway')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -342,8 +342,8 @@ def test_environment_settings_are_validated_the_same_way(name: str, value: str) 
 
 
 def test_a_measured_recompute_rate_that_is_not_a_rate_is_refused() -> None:
-    from tierkv.costmodel import CostModel
     from tierkv.errors import InvalidArgument
+    from tierkv.movement.costmodel import CostModel
 
     cm = CostModel(16, 1000.0, None)
     for bad in (float("inf"), float("nan"), 0.0, -5.0, True, 1e12):

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, TieredStore
-from tierkv.costmodel import FALLBACK_DEADLINE_S, CostModel
-from tierkv.gateway import MAX_RATE, MIN_RATE, RATE_WINDOW, RateEstimate
-from tierkv.lookup import KeyState
+from tierkv.movement.costmodel import FALLBACK_DEADLINE_S, CostModel
+from tierkv.movement.gateway import MAX_RATE, MIN_RATE, RATE_WINDOW, RateEstimate
+from tierkv.movement.lookup import KeyState
 
 pytestmark = pytest.mark.anyio
 
@@ -255,7 +255,7 @@ def test_a_tier_unmeasured_below_its_prior_is_planned_with_the_prior_again(monke
                                                                           ) -> None:
     from tierkv.backends.base import TierContext
     from tierkv.backends.memory import MemoryTier, MemoryTierConfig
-    from tierkv.gateway import REPROBE_S, TierGateway
+    from tierkv.movement.gateway import REPROBE_S, TierGateway
 
     ctx = TierContext(layout=LAYOUT, namespace="", fingerprint="x")
     tier = MemoryTier(MemoryTierConfig(kind="memory"), ctx)

@@ -17,12 +17,12 @@ from helpers import evict, extents
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._batchio_py import page_cached
 from tierkv.backends.fsspec._driver import WouldBlock
 from tierkv.backends.fsspec._local import LocalSource
 from tierkv.errors import BackendError
 from tierkv.keys import make_key
+from tierkv.records import directio
+from tierkv.records._batchio_py import page_cached
 
 pytestmark = pytest.mark.anyio
 

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from tierkv.backends.fsspec import FsspecTierConfig
 from tierkv.backends.fsspec._driver import Driver, RecordSource, WouldBlock
 from tierkv.backends.fsspec._open import open_driver
-from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Written
 from tierkv.backends.fsspec._tier import FsspecTier
 from tierkv.backends.mooncake import MooncakeTierConfig
+from tierkv.records.outcomes import SKIPPED, Failed, Written
 
 pytestmark = pytest.mark.anyio
 

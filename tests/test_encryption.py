@@ -22,11 +22,11 @@ from tierkv import GroupSpec, Layout, Lookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.cli import main
-from tierkv.encryption import KeyRing, key_id, load_key_file
 from tierkv.errors import ConfigError, CorruptRecord
 from tierkv.keys import make_key
-from tierkv.metrics import to_prometheus
-from tierkv.record import (
+from tierkv.observing.metrics import to_prometheus
+from tierkv.records.encryption import KeyRing, key_id, load_key_file
+from tierkv.records.format import (
     FIXED_HEADER_LEN,
     TAG_LEN,
     TRAILER_LEN,
@@ -471,7 +471,7 @@ async def test_verify_checks_authenticity_with_the_key_and_structure_without(
 async def test_encrypted_records_into_shared_memory_are_read_by_threads(tmp_path: Path) -> None:
     """Reader processes verify unencrypted records only: an encrypted tier reading into a pool in
     shared memory reads in its threads, and every row holds the stored block."""
-    from tierkv.pool import plan_pools, shared_pool_tensors
+    from tierkv.blocks.pool import plan_pools, shared_pool_tensors
 
     path, _ = key_file(tmp_path)
     lay = STORE_LAYOUT

@@ -20,7 +20,7 @@ from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.cli import build_parser, main
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
-from tierkv.record import encode_record
+from tierkv.records.format import encode_record
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module
 

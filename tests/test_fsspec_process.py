@@ -21,7 +21,7 @@ from crash_writer import BLOCK, FULL, NAMESPACE, STRIDE, crash_layout, crash_tie
 from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._tier import RECORD_SUFFIX
 from tierkv.cli import main as cli_main
-from tierkv.record import decode_record
+from tierkv.records.format import decode_record
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "crash_writer.py")

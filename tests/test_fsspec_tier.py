@@ -27,9 +27,9 @@ from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.errors import BackendError, ConfigError
-from tierkv.gateway import TierGateway
 from tierkv.keys import make_key
-from tierkv.record import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
+from tierkv.movement.gateway import TierGateway
+from tierkv.records.format import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
 from tierkv.testing import conformance_layout
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module

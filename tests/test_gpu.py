@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tierkv.blocks.pool import SlotPool
 from tierkv.layout import GroupSpec, Layout
-from tierkv.pool import SlotPool
 from tierkv.transfer import Copy, DeviceTransfer
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

@@ -26,7 +26,7 @@ from tierkv import ConfigError, StoreConfig, TieredStore, TierKVError, make_key
 from tierkv.backends.fsspec import FsspecTierConfig
 from tierkv.backends.namespace import record_path
 from tierkv.cli import main
-from tierkv.encryption import KeyRing, load_key_file
+from tierkv.records.encryption import KeyRing, load_key_file
 
 LAYOUT = hybrid_layout()
 BB = LAYOUT.groups[FULL].block_bytes

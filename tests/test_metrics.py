@@ -136,7 +136,7 @@ async def test_slow_clients_hold_a_bounded_number_of_threads_and_none_outlive_th
     import socket
     import threading
 
-    from tierkv.exporter import MAX_CONNECTIONS, READ_TIMEOUT_S
+    from tierkv.observing.exporter import MAX_CONNECTIONS, READ_TIMEOUT_S
 
     def serving() -> int:
         return sum(1 for t in threading.enumerate()

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv.blocks.policy import ARCPolicy, LRUPolicy, make_policy
+from tierkv.blocks.pool import SlotPool, SlotState, plan_pools, shared_pool_tensors
 from tierkv.errors import CapacityError, ConfigError, InvalidArgument
 from tierkv.layout import GroupSpec, Layout
-from tierkv.policy import ARCPolicy, LRUPolicy, make_policy
-from tierkv.pool import SlotPool, SlotState, plan_pools, shared_pool_tensors
 from tierkv.tensors import contiguous_run
 
 

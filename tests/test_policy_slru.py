@@ -1,4 +1,4 @@
-"""The ``slru`` eviction policy (tierkv.segmented) through the EvictionPolicy interface, in a slot
+"""The ``slru`` eviction policy (tierkv.blocks.segmented) through the EvictionPolicy interface, in a slot
 pool, and against LRU on generated traffic (docs/traffic.md)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv.blocks.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy, make_policy
+from tierkv.blocks.pool import SlotPool, SlotState
 from tierkv.config import StoreConfig
 from tierkv.layout import GroupSpec, Layout
-from tierkv.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, LRUPolicy, SLRUPolicy, make_policy
-from tierkv.pool import SlotPool, SlotState
 
 
 def k(i: int) -> bytes:

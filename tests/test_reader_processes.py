@@ -29,9 +29,9 @@ from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.fsspec import _local as local_driver
 from tierkv.backends.fsspec import _readproc as readproc
 from tierkv.backends.fsspec._readproc import ReaderProcesses
+from tierkv.blocks.pool import PoolPlan, plan_pools, shared_pool_tensors
 from tierkv.errors import ConfigError
 from tierkv.keys import make_key
-from tierkv.pool import PoolPlan, plan_pools, shared_pool_tensors
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reader processes need Linux")]
@@ -127,7 +127,7 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
         assert found == [True] * N
         assert torch.equal(pool, data)
         assert backend(t).get("reader_reads") == N  # every record by a helper, none by a thread
-        # each reported at once (a waiting get copies it out: tierkv.rowsink), with its bytes
+        # each reported at once (a waiting get copies it out: tierkv.movement.rowsink), with its bytes
         assert sorted(i for i, _ in seen) == list(range(N))
         assert all(row == data[i].numpy().tobytes() for i, row in seen)
         procs = [p.proc for p in readers.procs]
@@ -453,7 +453,7 @@ def test_helpers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
         import anyio, sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_reader_processes import plan, tier, readers_of
-        from tierkv.pool import shared_pool_tensors
+        from tierkv.blocks.pool import shared_pool_tensors
         from pathlib import Path
         pool = shared_pool_tensors({str(tmp_path / 'pool')!r}, plan())[0]
         async def main():
@@ -508,7 +508,7 @@ def test_a_mapping_freed_inside_a_lookup_does_not_deadlock(tmp_path: Path) -> No
     # froze a restore on Ctrl-C; the mapping's finalizer must not wait on region_of's lock.
     script = textwrap.dedent(f"""
         import gc, mmap, os, signal
-        from tierkv import sharedmem
+        from tierkv.blocks import sharedmem
         fd = os.open({str(tmp_path / "map")!r}, os.O_RDWR | os.O_CREAT)
         os.ftruncate(fd, 4096)
         live = [mmap.mmap(fd, 4096) for _ in range(300)]

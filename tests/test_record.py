@@ -1,4 +1,4 @@
-"""The persistent record format (tierkv.record): round trips, the byte layout, and refusal of every
+"""The persistent record format (tierkv.records.format): round trips, the byte layout, and refusal of every
 corrupt, truncated, foreign, mismatched or hostile record."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv.errors import CorruptRecord, InvalidArgument
-from tierkv.record import (
+from tierkv.records.format import (
     CODECS,
     MAX_RAW_LEN,
     RecordHeader,
@@ -28,7 +28,7 @@ from tierkv.record import (
     verify_record,
 )
 
-# The layout as docs/format.md states it, written out independently of tierkv.record.
+# The layout as docs/format.md states it, written out independently of tierkv.records.format.
 SPEC_MAGIC = b"\x89TKV\r\n\x1a\n"
 SPEC_FIXED = struct.Struct("<8sHBBBBHII16sQQ")
 SPEC_PLANE = struct.Struct("<QB7x")
@@ -680,8 +680,8 @@ def test_the_encrypted_example_in_the_format_doc(monkeypatch: pytest.MonkeyPatch
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    import tierkv.record as record
-    from tierkv.encryption import KeyRing
+    import tierkv.records.format as record
+    from tierkv.records.encryption import KeyRing
 
     key = bytes.fromhex("0011223300000001")
     fp = "0123456789abcdef0123456789abcdef"

@@ -22,9 +22,9 @@ from helpers import blocks, hashes
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends import registry
 from tierkv.backends.memory import MemoryTier
-from tierkv.health import MAX_WRITE_ATTEMPTS, STALL_FACTOR
 from tierkv.keys import make_key
-from tierkv.metrics import TierStats
+from tierkv.observing.health import MAX_WRITE_ATTEMPTS, STALL_FACTOR
+from tierkv.observing.metrics import TierStats
 
 pytestmark = pytest.mark.anyio
 

@@ -22,10 +22,10 @@ from test_fsspec_tier import logs
 from tierkv import TieredStore
 from tierkv.backends.fsspec._obstore import ENV_CLIENT, s3_store_config
 from tierkv.backends.fsspec._open import open_driver
-from tierkv.backends.fsspec._outcomes import Failed, Written
 from tierkv.backends.fsspec._remote import AsyncDriver, RequestDriver, RetryPolicy, transient
 from tierkv.cli import main as cli_main
 from tierkv.errors import ConfigError, unavailable
+from tierkv.records.outcomes import Failed, Written
 
 __all__ = ["logs", "seaweed"]  # fixtures, imported for this module
 

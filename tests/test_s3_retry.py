@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tierkv.backends.fsspec._outcomes import Failed
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, transient
+from tierkv.records.outcomes import Failed
 
 pytestmark = pytest.mark.anyio
 

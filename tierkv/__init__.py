@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
+    from tierkv.blocks.pool import PoolPlan, plan_pools
     from tierkv.config import StoreConfig
     from tierkv.errors import (
         BackendError,
@@ -26,8 +27,7 @@ if TYPE_CHECKING:
     )
     from tierkv.keys import make_key, split_key
     from tierkv.layout import GroupSpec, Layout
-    from tierkv.metrics import StoreStats, to_prometheus
-    from tierkv.pool import PoolPlan, plan_pools
+    from tierkv.observing.metrics import StoreStats, to_prometheus
     from tierkv.store import Lookup, PrefixLookup, TieredStore
 
 __version__ = "0.1.0"
@@ -41,10 +41,10 @@ _WHERE = {
     "split_key": "tierkv.keys",
     "GroupSpec": "tierkv.layout",
     "Layout": "tierkv.layout",
-    "StoreStats": "tierkv.metrics",
-    "to_prometheus": "tierkv.metrics",
-    "PoolPlan": "tierkv.pool",
-    "plan_pools": "tierkv.pool",
+    "StoreStats": "tierkv.observing.metrics",
+    "to_prometheus": "tierkv.observing.metrics",
+    "PoolPlan": "tierkv.blocks.pool",
+    "plan_pools": "tierkv.blocks.pool",
     "Lookup": "tierkv.store",
     "PrefixLookup": "tierkv.store",
     "TieredStore": "tierkv.store",

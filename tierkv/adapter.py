@@ -33,13 +33,16 @@ if TYPE_CHECKING:
     from tierkv.backends.base import TierContext
     from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
     from tierkv.backends.fsspec._open import is_local_url
+    from tierkv.blocks.engine import EngineSlots
+    from tierkv.blocks.pool import shared_pool_tensors
+    from tierkv.blocks.sharedmem import adopt as adopt_shared
+    from tierkv.blocks.sharedmem import release as release_shared
     from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
     from tierkv.config import format_validation_error
-    from tierkv.engine import EngineSlots
-    from tierkv.gateway import TierGateway
     from tierkv.keys import GROUP_BYTES
-    from tierkv.lookup import KeyState
-    from tierkv.metrics import (
+    from tierkv.movement.gateway import TierGateway
+    from tierkv.movement.lookup import KeyState
+    from tierkv.observing.metrics import (
         BACKEND_METRICS,
         HISTOGRAMS,
         LATENCY_BUCKETS,
@@ -50,7 +53,6 @@ if TYPE_CHECKING:
         samples,
         tier_samples,
     )
-    from tierkv.pool import shared_pool_tensors
     from tierkv.quantities import (
         MAX_RATE_TOKENS_S,
         MAX_WAIT_S,
@@ -60,8 +62,6 @@ if TYPE_CHECKING:
         StrictNumbers,
         TokenRate,
     )
-    from tierkv.sharedmem import adopt as adopt_shared
-    from tierkv.sharedmem import release as release_shared
     from tierkv.transfer import Copy, DeviceTransfer
 
 _WHERE: dict[str, tuple[str, str]] = {
@@ -70,17 +70,18 @@ _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.backends.fsspec", n) for n in ["FsspecTier", "FsspecTierConfig", "redact_url"]},
     **{n: ("tierkv.bridge", n) for n in ["ENGINE_SWITCH_INTERVAL_S", "LoopThread", "cap_switch_interval"]},
     **{n: ("tierkv.config", n) for n in ["format_validation_error"]},
-    **{n: ("tierkv.engine", n) for n in ["EngineSlots"]},
-    **{n: ("tierkv.gateway", n) for n in ["TierGateway"]},
+    **{n: ("tierkv.blocks.engine", n) for n in ["EngineSlots"]},
+    **{n: ("tierkv.movement.gateway", n) for n in ["TierGateway"]},
     **{n: ("tierkv.keys", n) for n in ["GROUP_BYTES"]},
-    **{n: ("tierkv.lookup", n) for n in ["KeyState"]},
-    **{n: ("tierkv.metrics", n) for n in ["BACKEND_METRICS", "HISTOGRAMS", "LATENCY_BUCKETS", "TIER_METRICS",
-                                          "USED_BYTES", "Metric", "all_metrics", "samples", "tier_samples"]},
+    **{n: ("tierkv.movement.lookup", n) for n in ["KeyState"]},
+    **{n: ("tierkv.observing.metrics", n) for n in ["BACKEND_METRICS", "HISTOGRAMS", "LATENCY_BUCKETS",
+                                                    "TIER_METRICS", "USED_BYTES", "Metric", "all_metrics",
+                                                    "samples", "tier_samples"]},
     **{n: ("tierkv.quantities", n) for n in ["MAX_RATE_TOKENS_S", "MAX_WAIT_S", "Bytes", "Count", "Seconds",
                                           "StrictNumbers", "TokenRate"]},
-    **{n: ("tierkv.pool", n) for n in ["shared_pool_tensors"]},
-    "adopt_shared": ("tierkv.sharedmem", "adopt"),
-    "release_shared": ("tierkv.sharedmem", "release"),
+    **{n: ("tierkv.blocks.pool", n) for n in ["shared_pool_tensors"]},
+    "adopt_shared": ("tierkv.blocks.sharedmem", "adopt"),
+    "release_shared": ("tierkv.blocks.sharedmem", "release"),
     **{n: ("tierkv.transfer", n) for n in ["Copy", "DeviceTransfer"]},
 }
 

@@ -40,7 +40,7 @@ class StoreConfig(StrictNumbers):
     namespace: str = ""
     max_concurrent_requests: Count = 8
     tiers: list[SerializeAsAny[TierConfig]]
-    #: the primary pools' eviction policy (tierkv.policy): ``slru`` (segmented LRU that keeps what
+    #: the primary pools' eviction policy (tierkv.blocks.policy): ``slru`` (segmented LRU that keeps what
     #: was used again, its protected share picked online; plain LRU where that does best), ``lru``
     #: or ``arc``
     policy: Literal["slru", "lru", "arc"] = "slru"

@@ -2,16 +2,16 @@
 
 Data paths (docs/design.md has the module map):
 
-- put ↓: :meth:`TieredStore.put` writes rows into primary slots (:mod:`tierkv.pool`); the
-  :class:`~tierkv.cascade.Cascader` writes them on through each lower tier's
-  :class:`~tierkv.gateway.TierGateway` to its backend.
-- restore ↑: :meth:`TieredStore.lookup_prefix` asks the :class:`~tierkv.lookup.Resolver`,
-  which admits promotions (:class:`~tierkv.admission.Admission`); each is a gateway ``load``
+- put ↓: :meth:`TieredStore.put` writes rows into primary slots (:mod:`tierkv.blocks.pool`); the
+  :class:`~tierkv.movement.cascade.Cascader` writes them on through each lower tier's
+  :class:`~tierkv.movement.gateway.TierGateway` to its backend.
+- restore ↑: :meth:`TieredStore.lookup_prefix` asks the :class:`~tierkv.movement.lookup.Resolver`,
+  which admits promotions (:class:`~tierkv.blocks.admission.Admission`); each is a gateway ``load``
   straight into the reserved pool rows, batch by batch; :meth:`TieredStore.get` copies the
   rows out in one batched copy per run of ready blocks.
 
 Engines that copy blocks themselves use :attr:`TieredStore.engine`
-(:class:`~tierkv.engine.EngineSlots`).
+(:class:`~tierkv.blocks.engine.EngineSlots`).
 """
 
 from __future__ import annotations
@@ -27,30 +27,30 @@ from typing import Any
 import anyio
 import torch
 
-from tierkv.admission import Admission
-from tierkv.availability import LowerTiers
 from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
+from tierkv.blocks.admission import Admission
+from tierkv.blocks.engine import EngineSlots, Reservation, pool_for
+from tierkv.blocks.ledger import BlockLedger
+from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge, locked
-from tierkv.cascade import Cascader
 from tierkv.config import StoreConfig
-from tierkv.costmodel import CostModel
-from tierkv.engine import EngineSlots, Reservation, pool_for
 from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
-from tierkv.events import ListenerThread, subscribe
-from tierkv.exporter import start_metrics
-from tierkv.gateway import TierGateway
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
-from tierkv.ledger import BlockLedger
-from tierkv.lookup import KeyState, Lookup, PrefixLookup, Resolver
-from tierkv.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
-from tierkv.pool import SlotPool
-from tierkv.promotion import Promoter
-from tierkv.reader import Reader
+from tierkv.movement.availability import LowerTiers
+from tierkv.movement.cascade import Cascader
+from tierkv.movement.costmodel import CostModel
+from tierkv.movement.gateway import TierGateway
+from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup, Resolver
+from tierkv.movement.promotion import Promoter
+from tierkv.movement.reader import Reader
+from tierkv.movement.writer import place_blocks
+from tierkv.observing.events import ListenerThread, subscribe
+from tierkv.observing.exporter import start_metrics
+from tierkv.observing.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
 from tierkv.tensors import byte_rows
-from tierkv.writer import place_blocks
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
@@ -225,7 +225,7 @@ class TieredStore:
 
     @property
     def engine(self) -> EngineSlots:
-        """The slot API for engine adapters (see :mod:`tierkv.engine`)."""
+        """The slot API for engine adapters (see :mod:`tierkv.blocks.engine`)."""
         self._check_open()
         assert self._engine is not None
         return self._engine
@@ -403,13 +403,13 @@ class TieredStore:
         lower tier: written by a cascade; evicted for capacity, found corrupt, or gone from a listing
         (another process evicted them, ``tierkv verify --repair`` removed them). Primary pool
         evictions are :meth:`EngineSlots.subscribe_evictions`'s. The listener runs on a thread of
-        its own, never on the store's event loop (:mod:`tierkv.events`)."""
+        its own, never on the store's event loop (:mod:`tierkv.observing.events`)."""
         self._listeners.append(subscribe(self._tiers[1:], listener))
 
     @locked
     def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
         """The durations observed since the last call, per histogram and labels (the metric of
-        :data:`tierkv.metrics.HISTOGRAMS`), for publishers that take raw values (vLLM's metrics)."""
+        :data:`tierkv.observing.metrics.HISTOGRAMS`), for publishers that take raw values (vLLM's metrics)."""
         out = [o for gw in self._gateways for o in gw.drain_histograms()]
         if self._resolver is not None:
             out.append((HISTOGRAMS["pending_seconds"], (), self._resolver.pending_seconds.drain()))

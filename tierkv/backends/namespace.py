@@ -105,7 +105,7 @@ async def listed_keys(driver: Driver, root: str, fingerprint: str, group: int) -
     """Keys of every record of ``group`` in the namespace, from a listing; long keys, named by a
     digest, from their record's header (a record that has none is left out)."""
     from tierkv.errors import CorruptRecord
-    from tierkv.record import read_header
+    from tierkv.records.format import read_header
 
     listing = classify(root, await driver.listdir(group_path(root, fingerprint, group)))
     keys, unnamed = [], []

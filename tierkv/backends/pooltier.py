@@ -14,8 +14,8 @@ import torch
 from pydantic import field_validator
 
 from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
+from tierkv.blocks.pool import PoolPlan, SlotPool, plan_pools, shared_pool_tensors
 from tierkv.errors import CapacityError, ConfigError
-from tierkv.pool import PoolPlan, SlotPool, plan_pools, shared_pool_tensors
 
 __all__ = ["CpuTier", "CpuTierConfig", "DeviceTier", "DeviceTierConfig", "PoolTier"]
 

@@ -21,7 +21,7 @@ __all__ = ["add_replay"]
 
 def add_replay(sub: Any) -> None:
     """The ``replay`` command."""
-    from tierkv.policy import DEFAULT_POLICY, POLICIES
+    from tierkv.blocks.policy import DEFAULT_POLICY, POLICIES
 
     r = sub.add_parser(
         "replay", formatter_class=Formatter,

@@ -139,8 +139,8 @@ def add_verify(sub: Any) -> None:
 
 
 def _keys(args: argparse.Namespace) -> Any:
-    from tierkv.encryption import KeyRing
     from tierkv.errors import ConfigError
+    from tierkv.records.encryption import KeyRing
 
     if args.key_file is None:
         if args.old_key_file:

@@ -70,7 +70,7 @@ Semantics (vLLM's ``SecondaryTierManager`` contract)
 Threads
     The fsspec tier runs on a private event loop in a daemon thread
     (:class:`~tierkv.bridge.LoopThread`, which also runs the tier's background capacity scan),
-    driven through a :class:`~tierkv.gateway.TierGateway` like every tierkv lower tier. Scheduler
+    driven through a :class:`~tierkv.movement.gateway.TierGateway` like every tierkv lower tier. Scheduler
     calls only read in-memory state and hand work to that loop; the gateway updates presence and
     counters under a lock the scheduler's calls share, and finished jobs are handed back as
     ``JobResult`` s under the same lock. vLLM's primary is a shared file mapping (in /dev/shm):

@@ -10,7 +10,7 @@ and :func:`redact_url`; the modules beside them are the tier's parts, private to
 - ``_driver``: the driver interface; ``_local`` (local paths: worker threads, page cache first),
   ``_remote`` (fsspec file systems, s3fs) and ``_obstore`` (S3 through obstore): the drivers;
 - ``_batchio`` (+ ``_batchio_py``): record reads and writes through the C module
-  ``tierkv._batchio`` or its Python fallback; ``_directio``: ``O_DIRECT`` writes;
+  ``tierkv.records._batchio`` or its Python fallback; ``_directio``: ``O_DIRECT`` writes;
   ``_readproc``: the reader processes that read into shared memory.
 
 Names are imported on first use: a reader process imports ``_local`` without torch.

@@ -9,8 +9,8 @@ from pydantic import Field, PositiveInt, StrictBool, StrictInt, field_validator,
 from tierkv.backends.base import TierConfig, old_name, real_bool
 from tierkv.backends.fsspec._open import is_local_url, url_problem
 from tierkv.backends.fsspec._redact import redact_url
-from tierkv.encryption import KEY_NOT_A_PATH, looks_like_key
 from tierkv.quantities import MAX_WAIT_S
+from tierkv.records.encryption import KEY_NOT_A_PATH, looks_like_key
 
 __all__ = ["MAX_IO_DEPTH", "MAX_READ_PROCESSES", "FsspecTierConfig"]
 

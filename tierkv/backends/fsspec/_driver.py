@@ -9,7 +9,7 @@ one PUT publishes a whole object, so no temporary name).
 
 A tier hands each driver the same per-record jobs through its two record calls
 (:meth:`Driver.write_records`, :meth:`Driver.read_records`, each a batch with one typed result
-per record: :mod:`~tierkv.backends.fsspec._outcomes`); the driver decides where they run: local
+per record: :mod:`~tierkv.records.outcomes`); the driver decides where they run: local
 jobs run whole in a worker thread beside their system calls (a scatter read straight into the
 caller's row, say), remote ones after (or before) the request: for an asynchronous file system
 on the event loop, one record as its request ends (or starts), for a synchronous one in a worker
@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
+from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 
 __all__ = ["INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
            "Entry", "NoWaitUnsupported", "RecordSource", "SpecialFile", "WouldBlock", "abs_path", "detach",
@@ -227,7 +227,7 @@ class Driver:
 
         ``inplace[i]``, when given, is ``(header, row)``: record ``i`` should be a ``none`` record,
         ``header`` then the numpy row's bytes then the trailer. A driver may read such a record
-        into ``row`` itself and verify it (:func:`~tierkv.record.none_parts_match`); its result is
+        into ``row`` itself and verify it (:func:`~tierkv.records.format.none_parts_match`); its result is
         then :class:`Found`, as ``job`` returns for one it verified, and ``landed(i)`` is called
         (when given) from the thread that learned it, before this returns. The others go to ``job``.
         The default reads one record at a time with :meth:`_read_one`.

@@ -19,10 +19,6 @@ from typing import Any, TypeVar
 
 import anyio
 
-from tierkv import sharedmem
-from tierkv.backends.fsspec import _batchio as batchio
-from tierkv.backends.fsspec import _directio as directio
-from tierkv.backends.fsspec._batchio_py import has_cachestat
 from tierkv.backends.fsspec._driver import (
     PAUSE_MAX_S,
     PAUSE_STEP_S,
@@ -40,10 +36,13 @@ from tierkv.backends.fsspec._localsource import (
     probe_nowait,
     touch_in_order,
 )
-from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 from tierkv.backends.fsspec._readproc import ReaderProcess, ReaderProcesses
 from tierkv.backends.fsspec._readproc import supported as readproc_supported
 from tierkv.backends.threads import DaemonPool, Jobs
+from tierkv.blocks import sharedmem
+from tierkv.records import batchio, directio
+from tierkv.records._batchio_py import has_cachestat
+from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
 
@@ -135,7 +134,7 @@ class LocalDriver(Driver):
 
     async def prepare(self, directory: str) -> None:
         """Start the reader processes when this process has shared memory to read into; decide
-        whether to use direct I/O, by :func:`~tierkv.backends.fsspec._directio.probe` of ``directory``
+        whether to use direct I/O, by :func:`~tierkv.records.directio.probe` of ``directory``
         (with ``direct_io`` ``"auto"`` or True). Raises ``OSError`` when ``direct_io`` is True and
         the file system cannot do it."""
         self.root_hint = directory
@@ -164,7 +163,7 @@ class LocalDriver(Driver):
         cache) and ``page_cache_reads`` (``RWF_NOWAIT``: warm reads first, reader processes); and
         ``cachestat``: the page cache is asked whether it holds a record before it is read (Linux 6.5);
         ``native_reads``: records are read and written by the C module
-        (:mod:`~tierkv.backends.fsspec._batchio`)."""
+        (:mod:`~tierkv.records.batchio`)."""
         return {"direct_io": self.direct, "page_cache_reads": self.nowait,
                 "cachestat": self.nowait and has_cachestat(),
                 "native_reads": batchio.native() is not None}

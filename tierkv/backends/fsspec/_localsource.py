@@ -13,9 +13,9 @@ import stat
 import time
 from typing import Any
 
-from tierkv.backends.fsspec import _batchio as batchio
-from tierkv.backends.fsspec._batchio_py import page_cached
 from tierkv.backends.fsspec._driver import NoWaitUnsupported, SpecialFile, WouldBlock, temp_name
+from tierkv.records import batchio
+from tierkv.records._batchio_py import page_cached
 
 __all__ = ["NOWAIT_REFUSED", "RWF_NOWAIT", "LocalSource", "may_be_cached", "probe_nowait", "touch_in_order"]
 

@@ -3,12 +3,12 @@
 An engine's scheduler process holds the GIL most of the time (vLLM's step loop spins while a
 request waits for its blocks), and every system call of a reader thread waits for it again: in
 such a process a restore read 128 MiB at a quarter of the speed of the same code alone. Where the
-rows a tier reads into lie in a shared file mapping (:mod:`tierkv.sharedmem`: the vLLM
+rows a tier reads into lie in a shared file mapping (:mod:`tierkv.blocks.sharedmem`: the vLLM
 adapter's pool, a ``cpu`` tier with ``shm_path``), helper processes with their own GIL map the
 same file and read there instead.
 
 A helper reads only what the page cache holds (``RWF_NOWAIT``) and only unencrypted ``none``
-records it can verify in place (:func:`~tierkv.record.none_parts_match`: header, key and
+records it can verify in place (:func:`~tierkv.records.format.none_parts_match`: header, key and
 checksum; an encrypted tier reads in its own threads). It answers
 each record with its size when verified, else 0, and the driver then reads that record in its own
 threads as it would have (a cold record, a damaged one, another codec, an absent file): so a
@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import tierkv
-from tierkv.sharedmem import SharedRegion, region_of
+from tierkv.blocks.sharedmem import SharedRegion, region_of
 
 __all__ = ["Item", "ReaderProcess", "ReaderProcesses", "supported"]
 

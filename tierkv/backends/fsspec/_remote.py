@@ -23,8 +23,8 @@ from tierkv.backends.fsspec._driver import (
     info_mtime,
     temp_name,
 )
-from tierkv.backends.fsspec._outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 from tierkv.errors import DOWN_TYPES
+from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
 
 __all__ = ["AsyncDriver", "RequestDriver", "RetryPolicy", "SyncDriver", "transient"]
 

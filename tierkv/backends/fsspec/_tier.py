@@ -18,7 +18,7 @@ deletes the least recently used past ``capacity_bytes``. Processes sharing one d
 each bound what they know; a record another process deleted is a miss, never an error.
 
 Encryption at rest (``encryption_key_file``): every record written is sealed with the tier's
-:class:`~tierkv.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
+:class:`~tierkv.records.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
 that does not authenticate is damaged (counted, removed); one sealed by a key this store does not
 hold, or an unencrypted one with ``read_unencrypted`` off, is a miss counted apart
 (``encrypted_misses``, ``unencrypted_misses``), said once and left in place: it may be another
@@ -49,11 +49,9 @@ from tierkv.backends.fsspec._driver import (
     temp_owner_alive,
 )
 from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
-from tierkv.backends.fsspec._outcomes import Failed, Found, RecordRead, Skipped, Written
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
 from tierkv.backends.fsspec._rescans import Rescans
-from tierkv.backends.fsspec._verdicts import Refusals, sort_reads
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     classify,
@@ -66,12 +64,14 @@ from tierkv.backends.namespace import (
     newest_keys,
     record_path,
 )
-from tierkv.backends.recordread import RECORD_OVERHEAD, Heads, none_heads, read_into
-from tierkv.encryption import KeyRing
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
-from tierkv.record import (
+from tierkv.records.encryption import KeyRing
+from tierkv.records.format import (
     encode_record_parts,
 )
+from tierkv.records.outcomes import Failed, Found, RecordRead, Skipped, Written
+from tierkv.records.read import RECORD_OVERHEAD, Heads, none_heads, read_into
+from tierkv.records.verdicts import Refusals, sort_reads
 from tierkv.tensors import as_bytes
 
 __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "default_io_depth",

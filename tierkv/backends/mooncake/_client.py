@@ -1,7 +1,7 @@
 """The blocking side of the ``mooncake`` tier: one Mooncake Store client, its status codes, the
 memory it may copy into and out of, and one record batch per call (run on worker threads).
 
-Records are tierkv's ``none`` records (:mod:`tierkv.record`): header, the block, trailer. A batch
+Records are tierkv's ``none`` records (:mod:`tierkv.records.format`): header, the block, trailer. A batch
 moves them with the registered-buffer calls, scattered: the header and trailer of each record in a
 small frame buffer, the block straight in (or out of) its row, so a block is copied once, by
 Mooncake, into the engine's memory. Each record read is checked (header compared, xxh3 checksum);
@@ -22,7 +22,7 @@ from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 from tierkv.backends.mooncake._config import MooncakeTierConfig, split_endpoint
 from tierkv.errors import BackendError, CorruptRecord, TierUnavailable
-from tierkv.record import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
+from tierkv.records.format import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
 
 __all__ = ["ABSENT", "DOWN_CODES", "INCOMPLETE", "NOT_MOUNTED", "MooncakeClient", "Verdicts", "Writes",
            "probe_master"]
@@ -263,7 +263,7 @@ class MooncakeClient:
     def get(self, names: list[str], keys: Sequence[bytes], rows: np.ndarray, heads: Sequence[bytes],
             fingerprint: str) -> Verdicts:
         """Read and verify one record per row, straight into the row. ``heads[i]`` is the header
-        key ``i``'s record must have (:func:`~tierkv.record.none_header`)."""
+        key ``i``'s record must have (:func:`~tierkv.records.format.none_header`)."""
         n, block = rows.shape
         frame_bytes = sum(len(h) for h in heads) + n * TRAILER_LEN
         frames = _frames(frame_bytes)

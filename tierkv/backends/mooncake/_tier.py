@@ -11,7 +11,7 @@ What the tier adds to Mooncake: every read is checked (a damaged or truncated ob
 miss and is removed); an object evicted by the master, or held by a node that has gone, is a miss,
 never an error; presence is one batched query. Blocking Mooncake calls run on the tier's worker
 threads; a master that does not answer makes calls fail (Mooncake's status codes), and the store's
-health machinery (:mod:`tierkv.availability`) takes the tier for down, then attaches it again once
+health machinery (:mod:`tierkv.movement.availability`) takes the tier for down, then attaches it again once
 the master answers. Mooncake's client reconnects by itself and mounts its segment again on a master
 that restarted (empty: a master keeps its objects in memory), on its next heartbeat; until then the
 master answers writes "no room", which the tier, having seen the master go, takes for "not
@@ -47,9 +47,9 @@ from tierkv.backends.mooncake._client import (
 )
 from tierkv.backends.mooncake._config import MooncakeTierConfig
 from tierkv.backends.namespace import record_path
-from tierkv.backends.recordread import none_heads
 from tierkv.backends.threads import DaemonPool, Jobs
 from tierkv.errors import BackendError, TierUnavailable
+from tierkv.records.read import none_heads
 from tierkv.tensors import as_bytes
 
 __all__ = ["MooncakeTier", "MooncakeTierConfig", "object_name"]

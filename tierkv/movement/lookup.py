@@ -3,7 +3,7 @@
 :class:`Resolver` reads in-memory state only (primary pools, the gateways' presence caches, the
 blocks staged for cascades, promotions in flight) and never awaits. For each call it returns the
 answer and the :class:`Work` the store must start: promotions admitted for the request (slots
-reserved and pinned by :class:`~tierkv.admission.Admission`) and presence probes of slow tiers.
+reserved and pinned by :class:`~tierkv.blocks.admission.Admission`) and presence probes of slow tiers.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.admission import Admission, Promotion, Request, Want
-from tierkv.costmodel import CostModel
-from tierkv.gateway import TierGateway
+from tierkv.blocks.admission import Admission, Promotion, Request, Want
+from tierkv.blocks.ledger import BlockLedger
+from tierkv.blocks.pool import SlotState
+from tierkv.blocks.prefix import needed_blocks
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
-from tierkv.ledger import BlockLedger
-from tierkv.metrics import Histogram
-from tierkv.pool import SlotState
-from tierkv.prefix import needed_blocks
-from tierkv.promotion import Promoter
+from tierkv.movement.costmodel import CostModel
+from tierkv.movement.gateway import TierGateway
+from tierkv.movement.promotion import Promoter
+from tierkv.observing.metrics import Histogram
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Resolver", "Work"]
 
@@ -411,7 +411,7 @@ class Resolver:
 
     def _by_cost(self, usable: int, resident: Mapping[int, list[int | None]],
                  status: Callable[[int, int], int]) -> int:
-        """The prefix length worth loading, by :class:`~tierkv.costmodel.CostModel`."""
+        """The prefix length worth loading, by :class:`~tierkv.movement.costmodel.CostModel`."""
         gws = self.gateways
         now = time.monotonic()
         rate = [gw.planning_rate(now) for gw in gws]

@@ -1,6 +1,6 @@
 """The block ledger: what is happening to each block of the primary, in one place.
 
-A block of the primary is in a slot of its group's :class:`~tierkv.pool.SlotPool` (FREE, WRITING
+A block of the primary is in a slot of its group's :class:`~tierkv.blocks.pool.SlotPool` (FREE, WRITING
 or READY; how many pins hold it). The ledger keeps the rest of its life, which the parts that
 move blocks used to keep each for itself and ask of each other:
 
@@ -9,7 +9,7 @@ move blocks used to keep each for itself and ask of each other:
   gives the event to wait on, whoever writes it;
 - **staged**: a block that found no primary slot is cascaded from a private copy, which lookups and
   ``get`` see until the cascade ends (:meth:`BlockLedger.staged_row`);
-- **pins by owner**: requests and calls pin through :class:`~tierkv.admission.Admission`,
+- **pins by owner**: requests and calls pin through :class:`~tierkv.blocks.admission.Admission`,
   cascades through :meth:`BlockLedger.pin_cascade`; :meth:`BlockLedger.problems` checks that
   every pin on every slot has its owner.
 
@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 import anyio
 import torch
 
-from tierkv.admission import Admission, Promotion, Request
-from tierkv.pool import SlotPool, SlotState
-from tierkv.rowsink import RowSink
+from tierkv.blocks.admission import Admission, Promotion, Request
+from tierkv.blocks.pool import SlotPool, SlotState
+from tierkv.movement.rowsink import RowSink
 from tierkv.tensors import take_rows
 
 __all__ = ["BlockLedger", "Landing", "Storing"]

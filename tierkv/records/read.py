@@ -1,11 +1,11 @@
 """Reading one record into its row and verifying it: what a tier's ``get`` does per key.
 
 ``none`` records are read in place: one scatter read fills the header, the row itself and the
-trailer, and :func:`~tierkv.record.none_parts_match` checks them against the header the key's
+trailer, and :func:`~tierkv.records.format.none_parts_match` checks them against the header the key's
 record must have. Anything else (another codec, a damaged or foreign record) is read whole and
-decoded by :func:`~tierkv.record.decode_record`, whose verdict counts. A tier with a
-:class:`~tierkv.encryption.KeyRing` reads a sealed ``none`` record's ciphertext into a per-thread
-buffer and decrypts it into the row (:func:`~tierkv.record.sealed_none_open`).
+decoded by :func:`~tierkv.records.format.decode_record`, whose verdict counts. A tier with a
+:class:`~tierkv.records.encryption.KeyRing` reads a sealed ``none`` record's ciphertext into a per-thread
+buffer and decrypts it into the row (:func:`~tierkv.records.format.sealed_none_open`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.backends.fsspec._driver import RecordSource, SpecialFile
-from tierkv.backends.fsspec._outcomes import ABSENT, Damaged, Found, RecordRead, Refused
-from tierkv.backends.fsspec._verdicts import NOT_OURS
-from tierkv.encryption import KeyRing
 from tierkv.errors import CorruptRecord
-from tierkv.record import (
+from tierkv.records.encryption import KeyRing
+from tierkv.records.format import (
     FIXED_HEADER_LEN,
     TAG_LEN,
     TRAILER_LEN,
@@ -29,6 +27,8 @@ from tierkv.record import (
     none_parts_match,
     sealed_none_open,
 )
+from tierkv.records.outcomes import ABSENT, Damaged, Found, RecordRead, Refused
+from tierkv.records.verdicts import NOT_OURS
 
 __all__ = ["RECORD_OVERHEAD", "Heads", "none_heads", "read_into"]
 

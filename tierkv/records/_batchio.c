@@ -1,4 +1,4 @@
-/* tierkv._batchio: batches of record reads and writes with the GIL released for the whole batch.
+/* tierkv.records._batchio: batches of record reads and writes with the GIL released for the whole batch.
  *
  * read_batch(paths, bufs, direct=False, nowait=False, threads=1) -> list[int]
  * write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None,
@@ -688,7 +688,7 @@ static int check_threads(int threads) {
 PyDoc_STRVAR(read_batch_doc,
 "read_batch(paths, bufs, direct=False, nowait=False, threads=1) -> list[int]\n\n"
 "Read each file into its buffers (a writable buffer, or a list of them filled in order); per item\n"
-"the bytes read (less than the buffers hold: the file ended) or -errno. See tierkv.backends.fsspec._batchio.");
+"the bytes read (less than the buffers hold: the file ended) or -errno. See tierkv.records.batchio.");
 
 static PyObject *read_batch(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"paths", "bufs", "direct", "nowait", "threads", NULL};
@@ -760,7 +760,7 @@ PyDoc_STRVAR(write_batch_doc,
 "write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None, threads=1)\n"
 "    -> (list[int], direct_writes, direct_refused)\n\n"
 "Publish each (final_path, tmp_path, buffers) atomically: write tmp_path, then rename it to\n"
-"final_path; per item the bytes written or -errno. See tierkv.backends.fsspec._batchio.");
+"final_path; per item the bytes written or -errno. See tierkv.records.batchio.");
 
 static PyObject *write_batch(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"items", "fsync", "mode", "direct", "direct_min", "dir_mode", "threads", NULL};
@@ -852,7 +852,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tierkv._batchio",
+    PyModuleDef_HEAD_INIT, "tierkv.records._batchio",
     "Batches of record reads and writes in C, the GIL released for the whole batch.", -1, methods,
 };
 

@@ -9,7 +9,7 @@ A tier is down until it opened, and again (:meth:`TierHealth.set_up`) when:
   its ``shed_after_s`` (a server that accepts connections and never answers: nothing fails until
   each request's deadline, and meanwhile its queue fills and stores are shed).
 
-A health check brings it back (:mod:`tierkv.availability`). While it is down lookups do without
+A health check brings it back (:mod:`tierkv.movement.availability`). While it is down lookups do without
 it and its writes wait in a bounded queue (:attr:`TierHealth.redo`).
 
 The retry queue's promise: a write that failed because the tier did not answer (a whole batch or
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 from tierkv.backends.base import Tier
 from tierkv.errors import unavailable
-from tierkv.metrics import TierStats
+from tierkv.observing.metrics import TierStats
 
 if TYPE_CHECKING:
-    from tierkv.pool import SlotPool
+    from tierkv.blocks.pool import SlotPool
 
 __all__ = ["DOWN_AFTER_FAILURES", "MAX_WRITE_ATTEMPTS", "STALL_FACTOR", "Retry", "TierHealth", "why"]
 
@@ -76,7 +76,7 @@ class TierHealth:
         #: writes of blocks that may still be in the primary, written again once the tier
         #: answers: (group, key) -> failed attempts so far
         self.redo: OrderedDict[tuple[int, bytes], int] = OrderedDict()
-        #: whether anything writes the queue (a store's :class:`~tierkv.availability.TierWatch`);
+        #: whether anything writes the queue (a store's :class:`~tierkv.movement.availability.TierWatch`);
         #: without, failed writes are only counted
         self.keeps_retries = False
         #: blocks of retries being written now (taken from :attr:`redo`)

@@ -1,6 +1,7 @@
-"""Batch record I/O in Python: the fallback of the C module ``tierkv._batchio``, same API, same results.
+"""Batch record I/O in Python: the fallback of the C module ``tierkv.records._batchio``, same API and
+results.
 
-:mod:`tierkv.backends.fsspec._batchio` documents the API and picks one of the two; the tests run every
+:mod:`tierkv.records.batchio` documents the API and picks one of the two; the tests run every
 case against both. The system calls are the ones the C module makes, one Python call each (each
 releases the GIL while it runs, but the interpreter is taken back between them).
 """
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tierkv.backends.fsspec import _directio as directio
+from tierkv.records import directio
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "MAX_THREADS", "make_dirs", "read_batch", "write_batch"]
 
@@ -242,7 +243,7 @@ def _read_one(path: str | bytes, views: list[memoryview], direct: bool, nowait: 
 
 def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Buffers], direct: bool = False,
                nowait: bool = False, threads: int = 1) -> list[int]:
-    """See :func:`tierkv.backends.fsspec._batchio.read_batch`."""
+    """See :func:`tierkv.records.batchio.read_batch`."""
     _check_threads(threads)
     paths, bufs = list(paths), list(bufs)  # copies: __fspath__ may change the caller's lists
     if len(paths) != len(bufs):
@@ -329,7 +330,7 @@ def _write_one(final: bytes, tmp: bytes, views: list[memoryview], fsync: bool, m
 def write_batch(items: Sequence[tuple[Any, Any, Buffers]], fsync: bool = False, mode: int = 0o600,
                 direct: bool = False, direct_min: int = 65536, dir_mode: int | None = None,
                 threads: int = 1) -> tuple[list[int], int, int]:
-    """See :func:`tierkv.backends.fsspec._batchio.write_batch`."""
+    """See :func:`tierkv.records.batchio.write_batch`."""
     _check_threads(threads)
     if not 0 <= mode <= 0o7777:
         raise ValueError(f"mode must be a permission mode, got {mode}")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.errors import InvalidArgument
-from tierkv.metrics import CostStats
+from tierkv.observing.metrics import CostStats
 from tierkv.quantities import MAX_RATE_TOKENS_S, MAX_WAIT_S
 
 __all__ = ["FALLBACK_DEADLINE_S", "CostModel", "Decision"]

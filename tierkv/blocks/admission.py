@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 import anyio
 
+from tierkv.blocks.pool import SlotPool
 from tierkv.errors import InvalidArgument
-from tierkv.pool import SlotPool
 
 __all__ = ["Admission", "PendingClock", "PrefixMemo", "Promotion", "Request", "Want"]
 
@@ -89,7 +89,7 @@ class Promotion:
     tier: int
     keys: list[bytes]
     slots: list[int]
-    #: each slot's allocation token (:meth:`tierkv.pool.SlotPool.land`): the promotion's proof
+    #: each slot's allocation token (:meth:`tierkv.blocks.pool.SlotPool.land`): the promotion's proof
     #: that the slot is still its own when its read lands
     tokens: list[int]
     #: the request that asked for them (None: a call without ``request_id``)

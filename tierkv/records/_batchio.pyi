@@ -1,4 +1,4 @@
-"""Types of the C module built from tierkv/_batchio.c (tierkv.backends.fsspec._batchio documents it)."""
+"""Types of the C module built from tierkv/records/_batchio.c (tierkv.records.batchio documents it)."""
 
 from collections.abc import Sequence
 from typing import Any

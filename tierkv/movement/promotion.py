@@ -3,7 +3,7 @@
 A promotion is one gateway ``load`` straight into the pool rows admission reserved for it; its
 blocks become READY batch by batch as they land (a waiting ``get`` can copy them at once; the
 reading thread copies each verified block into the rows of the ``get`` calls listening on its
-landing, :mod:`tierkv.rowsink`), and a block that fails frees its slot and every pin on it.
+landing, :mod:`tierkv.movement.rowsink`), and a block that fails frees its slot and every pin on it.
 Probes of one tier and group are batched: keys asked for while a probe task is scheduled but not
 started ride along with it.
 """
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.admission import Promotion, Request
+from tierkv.blocks.admission import Promotion, Request
+from tierkv.blocks.ledger import BlockLedger, Landing
 from tierkv.bridge import LoopBridge
-from tierkv.gateway import TierGateway
-from tierkv.ledger import BlockLedger, Landing
+from tierkv.movement.gateway import TierGateway
 
 __all__ = ["Promoter"]
 

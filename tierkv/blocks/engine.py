@@ -5,7 +5,7 @@ vLLM adapter's worker does, through a shared-memory pool) works on *full keys* (
 4-byte big-endian group index``, the bytes vLLM's offload keys use) and on slot numbers:
 
 - :meth:`EngineSlots.key_state`: what a lookup of one key says, with the reason
-  (:class:`~tierkv.lookup.KeyState`); HIT and PENDING blocks are pinned for the request.
+  (:class:`~tierkv.movement.lookup.KeyState`); HIT and PENDING blocks are pinned for the request.
 - :meth:`EngineSlots.ready_slots` / :meth:`EngineSlots.unpin`: where READY blocks are; the
   request is done with them.
 - :meth:`EngineSlots.reserve` / :meth:`EngineSlots.commit`: slots for blocks the engine writes
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.admission import Admission
+from tierkv.blocks.admission import Admission
+from tierkv.blocks.ledger import BlockLedger
+from tierkv.blocks.pool import SlotPool, SlotState
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
-from tierkv.ledger import BlockLedger
-from tierkv.lookup import KeyState, Lookup, Resolver
-from tierkv.pool import SlotPool, SlotState
+from tierkv.movement.lookup import KeyState, Lookup, Resolver
 
 __all__ = ["EngineSlots", "EvictionListener", "Reservation", "pool_for"]
 

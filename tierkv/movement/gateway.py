@@ -30,8 +30,8 @@ import anyio
 import torch
 
 from tierkv.backends.base import Tier
-from tierkv.health import TierHealth, why
-from tierkv.metrics import HISTOGRAMS, Histogram, Metric, TierStats
+from tierkv.observing.health import TierHealth, why
+from tierkv.observing.metrics import HISTOGRAMS, Histogram, Metric, TierStats
 from tierkv.tensors import as_bytes, row_span, scatter_rows
 
 __all__ = ["ByteBudget", "RateEstimate", "RowPlan", "TierGateway", "plan_rows"]
@@ -237,7 +237,7 @@ class TierGateway:
         self.probing: set[bytes] = set()
         #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
         self.version = 0
-        #: whether the tier answers, and the writes that wait for it (:mod:`tierkv.health`)
+        #: whether the tier answers, and the writes that wait for it (:mod:`tierkv.observing.health`)
         self.health = TierHealth(index, tier, self.stats, up, self._presence_changed)
         tier.add_listener(self._on_tier_event)
 

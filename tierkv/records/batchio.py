@@ -1,10 +1,10 @@
 """Batch record I/O for local (or mounted) files: many records read into, or written from, the
 caller's buffers in one call.
 
-Two implementations with one API and the same results: the C module ``tierkv._batchio`` (built by
-pip from tierkv/_batchio.c with the system C compiler; it makes the system calls of a whole batch
+Two implementations with one API and the same results: the C module ``tierkv.records._batchio`` (built by
+pip from tierkv/records/_batchio.c with the system C compiler; it makes the system calls of a whole batch
 with the GIL released, on the caller's thread and up to ``threads - 1`` threads of its own) and
-the pure-Python :mod:`tierkv.backends.fsspec._batchio_py`, used where the C module could not be built or
+the pure-Python :mod:`tierkv.records._batchio_py`, used where the C module could not be built or
 when the environment sets ``TIERKV_NATIVE=0``. :func:`active` says which one this process uses.
 
 Per item, a result is a byte count (>= 0) or ``-errno``:
@@ -35,7 +35,7 @@ Per item, a result is a byte count (>= 0) or ``-errno``:
     is removed and no file appears at ``final_path``. Returns ``(sizes, direct_writes,
     direct_refused)``.
 
-Checksums stay with the caller (tierkv/record.py): xxh3_64 of a MiB costs about 18 us, and the
+Checksums stay with the caller (tierkv/records/format.py): xxh3_64 of a MiB costs about 18 us, and the
 streaming ``xxhash.xxh3_64().update`` releases the GIL while it hashes (docs/performance.md,
 "Native batch I/O").
 """
@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from tierkv.backends.fsspec import _batchio_py as batchio_py
 from tierkv.backends.fsspec._driver import temp_name
+from tierkv.records import _batchio_py as batchio_py
 
 __all__ = ["active", "implementation", "native", "native_error", "read_batch", "write_batch"]
 
@@ -58,11 +58,11 @@ ENV = "TIERKV_NATIVE"
 _native: ModuleType | None
 _native_error: str | None
 try:
-    from tierkv import _batchio as _native
+    from tierkv.records import _batchio as _native
     _native_error = None
 except ImportError as exc:  # not built: no compiler where the package was installed
     _native = None
-    _native_error = f"tierkv._batchio is not built ({exc})"
+    _native_error = f"tierkv.records._batchio is not built ({exc})"
 
 
 def native_error() -> str | None:

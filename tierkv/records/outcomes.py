@@ -41,7 +41,7 @@ class Damaged:
 class Refused:
     """A sound record this store may not serve (``reason``: ``encrypted``, sealed with a key this
     store lacks, or ``plaintext``, not sealed where ``read_unencrypted`` is off; the keys of
-    :data:`~tierkv.backends.fsspec._verdicts.NOT_OURS`)."""
+    :data:`~tierkv.records.verdicts.NOT_OURS`)."""
 
     reason: str
 

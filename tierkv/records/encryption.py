@@ -9,7 +9,7 @@ of SHA-256 over a fixed label and the key: enough to pick the key, nothing about
 
 The key bytes live only in the ring's AES contexts and a private attribute: no ``repr``, ``str``,
 error message or log line shows them (they show key ids). The record format (where the nonce, key
-id and tag go, what is authenticated) is :mod:`tierkv.record`'s; this module only seals and opens.
+id and tag go, what is authenticated) is :mod:`tierkv.records.format`'s; this module only seals and opens.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a batch of record reads came to, per record (:mod:`~tierkv.backends.fsspec._outcomes`):
+"""What a batch of record reads came to, per record (:mod:`~tierkv.records.outcomes`):
 read and verified, absent, damaged, not this store's to serve (``encrypted`` / ``plaintext``), or
 failed. :func:`sort_reads` sorts them for the tier; :class:`Refusals` counts the records a store
 may not serve and says so once per kind."""
@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.backends.fsspec._outcomes import Absent, Damaged, Failed, Found, RecordRead, Refused
+from tierkv.records.outcomes import Absent, Damaged, Failed, Found, RecordRead, Refused
 
 __all__ = ["NOT_OURS", "Reads", "Refusals", "sort_reads"]
 

@@ -3,7 +3,7 @@
 A store opens its primary at once and each lower tier in the background (:meth:`TierWatch.attach`):
 its start waits for a tier at most ``open_timeout_s``; a tier that has not answered by then joins
 when it answers (``required: true`` fails the start instead). While a tier is down (it never
-opened, batches of writes failed, its writes stalled, reads or probes raised: :mod:`tierkv.health`)
+opened, batches of writes failed, its writes stalled, reads or probes raised: :mod:`tierkv.observing.health`)
 lookups do without it, its writes wait in a bounded queue, and a health check asks it every
 ``health_interval_s`` whether it answers again; once it does, the queued writes of blocks still in
 the primary are written. A tier that is up but whose last batch of writes failed wholly is asked
@@ -22,11 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 import anyio
 
 from tierkv.backends.base import Tier
+from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge
-from tierkv.cascade import REDO_BATCH
 from tierkv.errors import BackendError, unavailable
-from tierkv.gateway import TierGateway
-from tierkv.pool import SlotPool
+from tierkv.movement.cascade import REDO_BATCH
+from tierkv.movement.gateway import TierGateway
 
 __all__ = ["LowerTiers", "Recascade", "TierWatch"]
 

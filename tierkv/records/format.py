@@ -22,7 +22,7 @@ Codecs:
     so the low plane is stored raw and costs nothing to decode. Bytes past the last whole element
     are stored raw after the planes.
 
-Encryption (a tier with a :class:`~tierkv.encryption.KeyRing`): flag bit 0 of the header marks a
+Encryption (a tier with a :class:`~tierkv.records.encryption.KeyRing`): flag bit 0 of the header marks a
 sealed record; a 24-byte seal block after the plane table names the cipher, the key id and the
 record's fresh 96-bit nonce; the payload is AES-256-GCM ciphertext of the codec's output and the
 16-byte GCM tag follows it, before the checksum. The associated data is the whole header, which
@@ -47,8 +47,8 @@ import numpy.typing as npt
 import xxhash
 import zstandard
 
-from tierkv.encryption import KEY_ID_LEN, NONCE_LEN, KeyRing
 from tierkv.errors import CorruptRecord, InvalidArgument
+from tierkv.records.encryption import KEY_ID_LEN, NONCE_LEN, KeyRing
 
 __all__ = [
     "CHECKSUM_ALGORITHMS",

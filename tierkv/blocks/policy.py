@@ -1,4 +1,4 @@
-"""Eviction policies over keys: LRU, ARC and SLRU (:mod:`tierkv.segmented`, the default).
+"""Eviction policies over keys: LRU, ARC and SLRU (:mod:`tierkv.blocks.segmented`, the default).
 
 A policy orders the keys resident in one pool. It never decides alone what may go: ``victim`` takes
 a predicate, and pinned or in-flight slots are simply never offered.
@@ -10,8 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from tierkv.blocks.segmented import SLRUPolicy
 from tierkv.errors import ConfigError
-from tierkv.segmented import SLRUPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "SLRUPolicy",
            "make_policy"]

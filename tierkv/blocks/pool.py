@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from pydantic import BaseModel
 
-from tierkv import sharedmem
+from tierkv.blocks import sharedmem
+from tierkv.blocks.policy import EvictionPolicy, make_policy
 from tierkv.errors import CapacityError, InvalidArgument
 from tierkv.layout import Layout
-from tierkv.policy import EvictionPolicy, make_policy
 from tierkv.tensors import contiguous_run, wide_view
 
 __all__ = [
@@ -173,7 +173,7 @@ def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
     The mapping is populated now (``MAP_POPULATE``: the file's pages allocated and mapped into
     this process), as a private pool is zero-filled: a first restore into never-touched shared
     pages ran at a tenth of the speed of one into mapped pages, a page fault every 4 KiB. The
-    mapping is registered in :mod:`tierkv.sharedmem`, so reader processes can read into it.
+    mapping is registered in :mod:`tierkv.blocks.sharedmem`, so reader processes can read into it.
     """
     offsets, total = {}, 0
     for g in plan.groups:

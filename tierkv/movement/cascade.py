@@ -2,10 +2,10 @@
 
 A cascade pins the primary slots it reads until every tier it was admitted to has written them
 (or failed); blocks that found no primary slot cascade from a private copy (*staged* in the
-:class:`~tierkv.ledger.BlockLedger`), which lookups and ``get`` see until the cascade ends. Each
+:class:`~tierkv.blocks.ledger.BlockLedger`), which lookups and ``get`` see until the cascade ends. Each
 tier's gateway admits or sheds the cascade (semantics 7: stores are shed, counted, before loads
 suffer); ``flush`` waits for every cascade that was admitted, then writes what waits in the retry
-queue of each tier that answers (:mod:`tierkv.health`), until none is left.
+queue of each tier that answers (:mod:`tierkv.observing.health`), until none is left.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import anyio
 import torch
 
+from tierkv.blocks.ledger import BlockLedger
 from tierkv.bridge import LoopBridge
-from tierkv.gateway import TierGateway
-from tierkv.health import Retry
-from tierkv.ledger import BlockLedger
+from tierkv.movement.gateway import TierGateway
+from tierkv.observing.health import Retry
 
 __all__ = ["REDO_BATCH", "Cascader"]
 

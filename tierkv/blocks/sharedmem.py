@@ -1,6 +1,6 @@
 """Which of this process's memory is a shared file mapping, so other processes can write into it.
 
-:func:`~tierkv.pool.shared_pool_tensors` registers each pool it maps (the mapping and a descriptor
+:func:`~tierkv.blocks.pool.shared_pool_tensors` registers each pool it maps (the mapping and a descriptor
 of its file); :func:`region_of` tells whether a buffer lies inside one, and where. Reader
 processes (:mod:`tierkv.backends.fsspec._readproc`) map the same file through the descriptor and read
 records straight into those bytes. A region is forgotten, and its descriptor closed, when its

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from tierkv.pool import PoolPlan, SlotPool
+from tierkv.blocks.pool import PoolPlan, SlotPool
 
 __all__ = ["LATENCY_BUCKETS", "CostStats", "GroupStats", "Histogram", "HistogramStats", "Metric",
            "histogram_samples", "StoreStats", "TierStats", "all_metrics", "samples",

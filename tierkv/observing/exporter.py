@@ -2,7 +2,7 @@
 
 While the store is open it serves ``http://<metrics_host>:<port>/metrics`` (Prometheus text
 format) with prometheus-client's handler (the optional extra ``[metrics]``); each scrape
-reads ``store.stats()``, so the series are the same as :func:`tierkv.metrics.to_prometheus`'s:
+reads ``store.stats()``, so the series are the same as :func:`tierkv.observing.metrics.to_prometheus`'s:
 counters, gauges and latency histograms in tierkv's one naming scheme (``tierkv_*``).
 """
 
@@ -17,7 +17,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from tierkv.errors import ConfigError, install_hint
-from tierkv.metrics import StoreStats, histogram_samples, samples
+from tierkv.observing.metrics import StoreStats, histogram_samples, samples
 
 __all__ = ["MetricsServer", "start_metrics"]
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from tierkv.cascade import Cascader
-from tierkv.ledger import BlockLedger
+from tierkv.blocks.ledger import BlockLedger
+from tierkv.movement.cascade import Cascader
 from tierkv.tensors import take_rows
 
 __all__ = ["place_blocks"]
