@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tierkv.backends.fsspec._driver import temp_name
 from tierkv.records import batchio
+from tierkv.records.tempnames import temp_name
 
 PHASES = ("store", "warm", "cold")
 #: warm loads are short (a page-cache copy): each round takes the median of this many passes

@@ -2,8 +2,8 @@
 
     python bench/codec.py [--blocks 64] [--block-bytes 262144] [--repeats 5] [--dtype bf16]
 
-Each block is encoded with :func:`tierkv.records.format.encode_record` and decoded with
-:func:`tierkv.records.format.decode_record` into a preallocated array, so the figures include the header,
+Each block is encoded with :func:`tierkv.records.encode_record` and decoded with
+:func:`tierkv.records.decode_record` into a preallocated array, so the figures include the header,
 the xxh3 checksum and every check a reader makes. Throughputs are in MB/s of raw block bytes
 (1 MB = 1e6 bytes), the median over ``--repeats`` rounds, and each is also given as a fraction of
 a numpy copy of the same blocks into a preallocated array, timed in the same rounds.
@@ -34,7 +34,7 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from tierkv.records.format import CODECS, decode_record, encode_record, read_header
+from tierkv.records import CODECS, decode_record, encode_record, read_header
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KEY = bytes(range(32)) + (0).to_bytes(4, "big")

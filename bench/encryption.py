@@ -120,8 +120,8 @@ def breakdown(block: int, key_path: Path, base: Path) -> dict[str, float]:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     from tierkv.backends.fsspec._local import LocalSource
+    from tierkv.records import encode_record
     from tierkv.records.encryption import KeyRing
-    from tierkv.records.format import encode_record
     from tierkv.records.read import none_heads, read_into
 
     ring = KeyRing.from_files(str(key_path))

@@ -94,7 +94,7 @@ from tierkv.backends.fsspec._tier import FsspecTier, default_io_depth, default_i
 from tierkv.backends.registry import get_backend
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
-from tierkv.records.format import encode_record
+from tierkv.records import encode_record
 from tierkv.store import TieredStore
 
 NAMESPACE = "bench"

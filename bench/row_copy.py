@@ -2,7 +2,7 @@
 
     python bench/row_copy.py [--kib 256,1024] [--total-mib 512] [--rounds 5]
 
-A tier's thread that has verified a block copies it into the caller's row (tierkv.movement.rowsink). This
+A tier's thread that has verified a block copies it into the caller's row (tierkv.blocks.rowsink). This
 bench copies ``--total-mib`` of rows, one row per call, from one tensor into another, with
 ``Tensor.copy_`` and with ``tierkv.tensors.copy_row``, on the main thread and on 1 and 4 worker
 threads, against ``ctypes.memmove`` of the same rows on the same threads (the baseline). Ratios

@@ -23,10 +23,10 @@ import torch
 from helpers import evict, extents
 from test_filesystems import full_tmpfs
 
-from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._local import probe_nowait
 from tierkv.records import _batchio_py as batchio_py
 from tierkv.records import batchio, directio
+from tierkv.records.tempnames import TEMP_MARK
 
 __all__ = ["full_tmpfs"]
 

@@ -15,11 +15,12 @@ import pytest
 from pydantic import ValidationError
 
 from tierkv.backends.fsspec import FsspecTierConfig
-from tierkv.backends.fsspec._driver import Driver, RecordSource, WouldBlock
+from tierkv.backends.fsspec._driver import Driver, WouldBlock
 from tierkv.backends.fsspec._open import open_driver
 from tierkv.backends.fsspec._tier import FsspecTier
 from tierkv.backends.mooncake import MooncakeTierConfig
 from tierkv.records.outcomes import SKIPPED, Failed, Written
+from tierkv.records.read import RecordSource
 
 pytestmark = pytest.mark.anyio
 

@@ -25,8 +25,7 @@ from tierkv.cli import main
 from tierkv.errors import ConfigError, CorruptRecord
 from tierkv.keys import make_key
 from tierkv.observing.metrics import to_prometheus
-from tierkv.records.encryption import KeyRing, key_id, load_key_file
-from tierkv.records.format import (
+from tierkv.records import (
     FIXED_HEADER_LEN,
     TAG_LEN,
     TRAILER_LEN,
@@ -35,6 +34,7 @@ from tierkv.records.format import (
     read_header,
     verify_record,
 )
+from tierkv.records.encryption import KeyRing, key_id, load_key_file
 from tierkv.testing import conformance_layout
 
 __all__ = ["logs", "s3_endpoint"]  # fixtures, imported for this module

@@ -16,11 +16,12 @@ from s3util import s3_endpoint, storage_options
 
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.cli import build_parser, main
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
-from tierkv.records.format import encode_record
+from tierkv.records import encode_record
+from tierkv.records.tempnames import HOST as _HOST
+from tierkv.records.tempnames import TEMP_MARK
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module
 

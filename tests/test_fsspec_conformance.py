@@ -14,7 +14,7 @@ from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 
 from tierkv.backends.base import Tier
 from tierkv.backends.fsspec._tier import FsspecTier, record_path
-from tierkv.records.format import decode_record, encode_record
+from tierkv.records import decode_record, encode_record
 from tierkv.testing import TierTests
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module

@@ -18,10 +18,10 @@ import pytest
 import torch
 from crash_writer import BLOCK, FULL, NAMESPACE, STRIDE, crash_layout, crash_tier, data_of
 
-from tierkv.backends.fsspec._driver import TEMP_MARK
 from tierkv.backends.fsspec._tier import RECORD_SUFFIX
 from tierkv.cli import main as cli_main
-from tierkv.records.format import decode_record
+from tierkv.records import decode_record
+from tierkv.records.tempnames import TEMP_MARK
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "crash_writer.py")

@@ -25,11 +25,12 @@ from s3util import boto_client, new_bucket, s3_endpoint, storage_options
 from tierkv import BlockMissing, Lookup, StoreConfig, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-from tierkv.backends.fsspec._driver import _HOST, TEMP_MARK
 from tierkv.errors import BackendError, ConfigError
 from tierkv.keys import make_key
 from tierkv.movement.gateway import TierGateway
-from tierkv.records.format import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
+from tierkv.records import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
+from tierkv.records.tempnames import HOST as _HOST
+from tierkv.records.tempnames import TEMP_MARK
 from tierkv.testing import conformance_layout
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for this module

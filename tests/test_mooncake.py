@@ -28,7 +28,7 @@ from tierkv.backends.mooncake._config import MooncakeTierConfig
 from tierkv.backends.registry import get_backend
 from tierkv.errors import BackendNotFound
 from tierkv.keys import make_key
-from tierkv.records.format import decode_record, encode_record, read_header
+from tierkv.records import decode_record, encode_record, read_header
 from tierkv.testing import TierTests, conformance_layout
 from tierkv.testing.mooncake import MooncakeMaster, UnfinishedPuts, missing
 

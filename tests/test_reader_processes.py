@@ -127,7 +127,7 @@ async def test_rows_in_shared_memory_are_read_by_helpers_and_hold_the_stored_byt
         assert found == [True] * N
         assert torch.equal(pool, data)
         assert backend(t).get("reader_reads") == N  # every record by a helper, none by a thread
-        # each reported at once (a waiting get copies it out: tierkv.movement.rowsink), with its bytes
+        # each reported at once (a waiting get copies it out: tierkv.blocks.rowsink), with its bytes
         assert sorted(i for i, _ in seen) == list(range(N))
         assert all(row == data[i].numpy().tobytes() for i, row in seen)
         procs = [p.proc for p in readers.procs]

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv.errors import CorruptRecord, InvalidArgument
-from tierkv.records.format import (
+from tierkv.records import (
     CODECS,
     MAX_RAW_LEN,
     RecordHeader,
@@ -680,7 +680,7 @@ def test_the_encrypted_example_in_the_format_doc(monkeypatch: pytest.MonkeyPatch
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    import tierkv.records.format as record
+    import tierkv.records.encode as record
     from tierkv.records.encryption import KeyRing
 
     key = bytes.fromhex("0011223300000001")

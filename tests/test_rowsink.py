@@ -1,4 +1,4 @@
-"""A ``get``'s rows filled by the threads that read its blocks (tierkv.movement.rowsink), and what a
+"""A ``get``'s rows filled by the threads that read its blocks (tierkv.blocks.rowsink), and what a
 caller relies on: every row right, and nothing written into its rows once ``get`` is over."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tierkv.backends import registry
 from tierkv.backends.base import RowLanded
 from tierkv.backends.memory import MemoryTier
 from tierkv.blocks.pool import SlotPool
-from tierkv.movement.rowsink import RowSink
+from tierkv.blocks.rowsink import RowSink
 from tierkv.tensors import copy_row
 
 pytestmark = pytest.mark.anyio

@@ -20,7 +20,7 @@ from seaweed import seaweed
 
 from tierkv.backends.fsspec._obstore import ENV_CLIENT
 from tierkv.keys import make_key
-from tierkv.records.format import encode_record
+from tierkv.records import encode_record
 
 __all__ = ["seaweed"]  # the fixture, imported for this module
 

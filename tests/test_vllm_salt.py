@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_vllm_engine import MODELS, gen, models_dir, run, same_output
 
-from tierkv.records.format import read_header
+from tierkv.records import read_header
 
 pytest.importorskip("vllm.v1.kv_offload.base")  # installed by `scripts/dev test` where there is no GPU
 

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from tierkv.adapters.vllm import TierKVSecondaryTier
 from tierkv.adapters.vllm.secondary import METRICS, PROBE_BATCH
 from tierkv.errors import ConfigError
-from tierkv.records.format import read_header
+from tierkv.records import read_header
 
 WORKER_BYTES = 4096  # worker_kv_bytes_per_block; one chunk = one block = one page
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,

@@ -31,15 +31,14 @@ from tierkv._lazy import lazy
 
 if TYPE_CHECKING:
     from tierkv.backends.base import TierContext
-    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, redact_url
-    from tierkv.backends.fsspec._open import is_local_url
-    from tierkv.blocks.engine import EngineSlots
+    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, is_local_url, redact_url
     from tierkv.blocks.pool import shared_pool_tensors
     from tierkv.blocks.sharedmem import adopt as adopt_shared
     from tierkv.blocks.sharedmem import release as release_shared
     from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
     from tierkv.config import format_validation_error
     from tierkv.keys import GROUP_BYTES
+    from tierkv.movement.engine import EngineSlots
     from tierkv.movement.gateway import TierGateway
     from tierkv.movement.lookup import KeyState
     from tierkv.observing.metrics import (
@@ -70,7 +69,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.backends.fsspec", n) for n in ["FsspecTier", "FsspecTierConfig", "redact_url"]},
     **{n: ("tierkv.bridge", n) for n in ["ENGINE_SWITCH_INTERVAL_S", "LoopThread", "cap_switch_interval"]},
     **{n: ("tierkv.config", n) for n in ["format_validation_error"]},
-    **{n: ("tierkv.blocks.engine", n) for n in ["EngineSlots"]},
+    **{n: ("tierkv.movement.engine", n) for n in ["EngineSlots"]},
     **{n: ("tierkv.movement.gateway", n) for n in ["TierGateway"]},
     **{n: ("tierkv.keys", n) for n in ["GROUP_BYTES"]},
     **{n: ("tierkv.movement.lookup", n) for n in ["KeyState"]},

@@ -11,7 +11,7 @@ Data paths (docs/design.md has the module map):
   rows out in one batched copy per run of ready blocks.
 
 Engines that copy blocks themselves use :attr:`TieredStore.engine`
-(:class:`~tierkv.blocks.engine.EngineSlots`).
+(:class:`~tierkv.movement.engine.EngineSlots`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
 from tierkv.blocks.admission import Admission
-from tierkv.blocks.engine import EngineSlots, Reservation, pool_for
 from tierkv.blocks.ledger import BlockLedger
 from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge, locked
@@ -42,6 +41,7 @@ from tierkv.layout import Layout
 from tierkv.movement.availability import LowerTiers
 from tierkv.movement.cascade import Cascader
 from tierkv.movement.costmodel import CostModel
+from tierkv.movement.engine import EngineSlots, Reservation, pool_for
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup, Resolver
 from tierkv.movement.promotion import Promoter
@@ -225,7 +225,7 @@ class TieredStore:
 
     @property
     def engine(self) -> EngineSlots:
-        """The slot API for engine adapters (see :mod:`tierkv.blocks.engine`)."""
+        """The slot API for engine adapters (see :mod:`tierkv.movement.engine`)."""
         self._check_open()
         assert self._engine is not None
         return self._engine

@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.backends.fsspec._driver import TEMP_MARK, Driver, Entry
+from tierkv.backends.fsspec import Driver, Entry
 from tierkv.keys import GROUP_BYTES, split_key
 from tierkv.layout import Layout
+from tierkv.records.tempnames import TEMP_MARK
 
 __all__ = [
     "MANIFEST",
@@ -105,7 +106,7 @@ async def listed_keys(driver: Driver, root: str, fingerprint: str, group: int) -
     """Keys of every record of ``group`` in the namespace, from a listing; long keys, named by a
     digest, from their record's header (a record that has none is left out)."""
     from tierkv.errors import CorruptRecord
-    from tierkv.records.format import read_header
+    from tierkv.records import read_header
 
     listing = classify(root, await driver.listdir(group_path(root, fingerprint, group)))
     keys, unnamed = [], []

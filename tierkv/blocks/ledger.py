@@ -34,7 +34,7 @@ import torch
 
 from tierkv.blocks.admission import Admission, Promotion, Request
 from tierkv.blocks.pool import SlotPool, SlotState
-from tierkv.movement.rowsink import RowSink
+from tierkv.blocks.rowsink import RowSink
 from tierkv.tensors import take_rows
 
 __all__ = ["BlockLedger", "Landing", "Storing"]

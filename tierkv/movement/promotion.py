@@ -3,7 +3,7 @@
 A promotion is one gateway ``load`` straight into the pool rows admission reserved for it; its
 blocks become READY batch by batch as they land (a waiting ``get`` can copy them at once; the
 reading thread copies each verified block into the rows of the ``get`` calls listening on its
-landing, :mod:`tierkv.movement.rowsink`), and a block that fails frees its slot and every pin on it.
+landing, :mod:`tierkv.blocks.rowsink`), and a block that fails frees its slot and every pin on it.
 Probes of one tier and group are batched: keys asked for while a probe task is scheduled but not
 started ride along with it.
 """

@@ -2,7 +2,7 @@
 
 ``get`` copies READY rows out in one batched copy per run, waits for PENDING ones (promotions
 land batch by batch, so it copies as they arrive; the threads reading a promotion it listens on
-copy each verified block into its row at once, :mod:`tierkv.movement.rowsink`), and promotes blocks no
+copy each verified block into its row at once, :mod:`tierkv.blocks.rowsink`), and promotes blocks no
 primary slot holds, waiting for them the same way (only a pool with no room now makes it read
 them aside).
 ``borrow`` lends the rows where they lie in the pool, pinned until the caller is done.
@@ -20,11 +20,11 @@ import torch
 from tierkv.blocks.admission import Admission, Request
 from tierkv.blocks.ledger import BlockLedger, Landing
 from tierkv.blocks.pool import SlotPool, SlotState
+from tierkv.blocks.rowsink import RowSink
 from tierkv.bridge import LoopBridge
 from tierkv.errors import BlockMissing
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.promotion import Promoter
-from tierkv.movement.rowsink import RowSink
 from tierkv.observing.metrics import TierStats
 from tierkv.tensors import contiguous_run, row_span, scatter_rows
 

@@ -47,10 +47,12 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from tierkv.backends.fsspec._driver import temp_name
 from tierkv.records import _batchio_py as batchio_py
+from tierkv.records._batchio_py import has_cachestat, page_cached
+from tierkv.records.tempnames import temp_name
 
-__all__ = ["active", "implementation", "native", "native_error", "read_batch", "write_batch"]
+__all__ = ["active", "has_cachestat", "implementation", "native", "native_error", "page_cached", "read_batch",
+           "write_batch"]
 
 #: the environment variable that forces the pure-Python fallback when set to 0
 ENV = "TIERKV_NATIVE"

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.backends.fsspec._driver import temp_name
+from tierkv.records.tempnames import temp_name
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "O_DIRECT", "UNSUPPORTED", "preallocate", "probe", "write_file"]
 

@@ -1,9 +1,9 @@
 """Reading one record into its row and verifying it: what a tier's ``get`` does per key.
 
 ``none`` records are read in place: one scatter read fills the header, the row itself and the
-trailer, and :func:`~tierkv.records.format.none_parts_match` checks them against the header the key's
+trailer, and :func:`~tierkv.records.none_parts_match` checks them against the header the key's
 record must have. Anything else (another codec, a damaged or foreign record) is read whole and
-decoded by :func:`~tierkv.records.format.decode_record`, whose verdict counts. A tier with a
+decoded by :func:`~tierkv.records.decode_record`, whose verdict counts. A tier with a
 :class:`~tierkv.records.encryption.KeyRing` reads a sealed ``none`` record's ciphertext into a per-thread
 buffer and decrypts it into the row (:func:`~tierkv.records.format.sealed_none_open`).
 """
@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from tierkv.backends.fsspec._driver import RecordSource, SpecialFile
 from tierkv.errors import CorruptRecord
+from tierkv.records.decode import decode_record, none_parts_match, sealed_none_open
 from tierkv.records.encryption import KeyRing
-from tierkv.records.format import (
-    FIXED_HEADER_LEN,
-    TAG_LEN,
-    TRAILER_LEN,
-    decode_record,
-    none_header,
-    none_parts_match,
-    sealed_none_open,
-)
+from tierkv.records.format import FIXED_HEADER_LEN, TAG_LEN, TRAILER_LEN, none_header
 from tierkv.records.outcomes import ABSENT, Damaged, Found, RecordRead, Refused
 from tierkv.records.verdicts import NOT_OURS
 
-__all__ = ["RECORD_OVERHEAD", "Heads", "none_heads", "read_into"]
+__all__ = ["RECORD_OVERHEAD", "Heads", "RecordSource", "SpecialFile", "none_heads", "read_into"]
 
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
@@ -38,6 +31,20 @@ RECORD_OVERHEAD = 64 << 10
 Heads = dict[int, tuple[bytes, bytes]]
 
 _tls = threading.local()
+
+class SpecialFile(OSError):
+    """A record's path holds something that is not a regular file (FIFO, device, symlink, ...)."""
+
+
+class RecordSource(Protocol):
+    """One record's bytes, wherever they are: a file to read, or bytes already fetched."""
+
+    def readinto(self, bufs: list[Any]) -> int | None:
+        """Fill ``bufs`` in order from the start of the record; bytes read, None when absent."""
+
+    def read_all(self, buf: memoryview) -> memoryview | None:
+        """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
+
 
 
 def _read_buffer(size: int, name: str = "buf") -> memoryview:

@@ -8,7 +8,7 @@ manifests, records, temporary files of writers, and other files, which are never
 
 :func:`inspect_tier` reads only record headers (namespaces, groups, record counts, bytes on disk,
 raw bytes, codec ratio). :func:`verify_tier` checks every record completely
-(:func:`~tierkv.records.format.verify_record`: structure, sizes, checksum, decoding) and that its key,
+(:func:`~tierkv.records.verify_record`: structure, sizes, checksum, decoding) and that its key,
 fingerprint and group agree with its path and its namespace's layout (an encrypted record is
 decrypted and so authenticated when a key for it is given; otherwise its structure and checksum
 are checked, and the report says which); with ``repair`` it deletes the
@@ -29,10 +29,16 @@ from typing import Any
 import anyio
 
 from tierkv.adapters.fingerprint import parse_engine_namespace
-from tierkv.backends.fsspec._driver import Driver, Entry, SpecialFile, temp_owner_alive
-from tierkv.backends.fsspec._local import LocalDriver, probe_nowait
-from tierkv.backends.fsspec._open import open_driver, url_problem
-from tierkv.backends.fsspec._redact import Redactor, redact_url
+from tierkv.backends.fsspec import (
+    Driver,
+    Entry,
+    LocalDriver,
+    Redactor,
+    open_driver,
+    probe_nowait,
+    redact_url,
+    url_problem,
+)
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
     Listing,
@@ -45,11 +51,11 @@ from tierkv.backends.namespace import (
 )
 from tierkv.errors import BackendError, BackendNotFound, CorruptRecord
 from tierkv.layout import Layout
-from tierkv.records import directio
+from tierkv.records import RecordHeader, directio, read_header, verify_record
 from tierkv.records.encryption import KeyRing
-from tierkv.records.format import RecordHeader, read_header, verify_record
 from tierkv.records.outcomes import Failed
-from tierkv.records.read import RECORD_OVERHEAD
+from tierkv.records.read import RECORD_OVERHEAD, SpecialFile
+from tierkv.records.tempnames import temp_owner_alive
 
 __all__ = [
     "GroupReport",
@@ -514,7 +520,7 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                       ) -> VerifyReport:
     """Check every record under ``url`` completely; with ``repair`` delete the corrupt ones.
 
-    A record is corrupt when :func:`~tierkv.records.format.verify_record` rejects it, or its key,
+    A record is corrupt when :func:`~tierkv.records.verify_record` rejects it, or its key,
     fingerprint or group disagrees with its path, or its size with its namespace's layout; so is
     something else where a record should be (a FIFO, a symlink, a directory). With ``repair``,
     corrupt records and stale temporary files (of dead writers on this host, or older than

@@ -26,7 +26,7 @@ import torch
 from tierkv.backends.pooltier import PoolTier
 from tierkv.keys import make_key
 from tierkv.layout import GroupSpec, Layout
-from tierkv.records.format import encode_record
+from tierkv.records import encode_record
 from tierkv.store import Lookup, TieredStore
 from tierkv.tools.traces import TraceRequest, belady_hit_rate, hit_tokens
 

@@ -1,7 +1,7 @@
 """The scheduler side: vLLM's ``OffloadingManager`` contract over a :class:`~tierkv.TieredStore`.
 
 The store runs on its own event loop in a background thread (:class:`~tierkv.bridge.LoopThread`);
-vLLM's calls go straight to the store's engine slot API (:class:`~tierkv.blocks.engine.EngineSlots`),
+vLLM's calls go straight to the store's engine slot API (:class:`~tierkv.movement.engine.EngineSlots`),
 which is lock-protected and synchronous, so none of them waits on I/O or on the loop.
 """
 

@@ -21,20 +21,18 @@ record's path that holds anything but a regular file (a FIFO, a device, a symlin
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
+from tierkv.records.read import RecordSource
 
-__all__ = ["INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "TEMP_MARK", "BytesSource", "Driver",
-           "Entry", "NoWaitUnsupported", "RecordSource", "SpecialFile", "WouldBlock", "abs_path", "detach",
-           "info_mtime", "temp_name", "temp_owner_alive"]
+__all__ = ["INLINE_BYTES", "PAUSE_MAX_S", "PAUSE_STEP_S", "BytesSource", "Driver",
+           "Entry", "NoWaitUnsupported", "WouldBlock", "abs_path", "detach",
+           "info_mtime"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,9 +46,6 @@ PAUSE_MAX_S = 30.0
 #: how long a paused listing sleeps before it asks again
 PAUSE_STEP_S = 0.005
 
-#: temporary files are ``.<name>.tkvtmp-<host>-<pid>-<random>``: host and pid say who wrote them
-TEMP_MARK = ".tkvtmp-"
-_HOST = socket.gethostname().replace("-", "_")[:32] or "host"
 
 
 @dataclass(frozen=True)
@@ -62,18 +57,6 @@ class Entry:
     mtime: float
 
 
-class SpecialFile(OSError):
-    """A record's path holds something that is not a regular file (FIFO, device, symlink, ...)."""
-
-
-class RecordSource(Protocol):
-    """One record's bytes, wherever they are: a file to read, or bytes already fetched."""
-
-    def readinto(self, bufs: list[Any]) -> int | None:
-        """Fill ``bufs`` in order from the start of the record; bytes read, None when absent."""
-
-    def read_all(self, buf: memoryview) -> memoryview | None:
-        """The record's bytes (at most ``len(buf)``; ``buf`` may receive them); None when absent."""
 
 
 E = TypeVar("E", bound=BaseException)
@@ -124,26 +107,6 @@ class BytesSource:
         """The bytes (at most ``len(buf)``), without a copy."""
         return None if self.data is None else memoryview(self.data)[:len(buf)]
 
-
-def temp_name(path: str) -> str:
-    """A unique temporary name beside ``path``."""
-    head, _, tail = path.rpartition("/")
-    return f"{head}/.{tail}{TEMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def temp_owner_alive(name: str) -> bool | None:
-    """Whether the process that wrote temporary file ``name`` still runs (None: another host)."""
-    _, _, owner = name.partition(TEMP_MARK)
-    parts = owner.split("-")
-    if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
-        return None
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Driver:
@@ -227,7 +190,7 @@ class Driver:
 
         ``inplace[i]``, when given, is ``(header, row)``: record ``i`` should be a ``none`` record,
         ``header`` then the numpy row's bytes then the trailer. A driver may read such a record
-        into ``row`` itself and verify it (:func:`~tierkv.records.format.none_parts_match`); its result is
+        into ``row`` itself and verify it (:func:`~tierkv.records.none_parts_match`); its result is
         then :class:`Found`, as ``job`` returns for one it verified, and ``landed(i)`` is called
         (when given) from the thread that learned it, before this returns. The others go to ``job``.
         The default reads one record at a time with :meth:`_read_one`.

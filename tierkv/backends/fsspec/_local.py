@@ -25,7 +25,6 @@ from tierkv.backends.fsspec._driver import (
     Driver,
     Entry,
     NoWaitUnsupported,
-    RecordSource,
     WouldBlock,
     detach,
 )
@@ -41,8 +40,9 @@ from tierkv.backends.fsspec._readproc import supported as readproc_supported
 from tierkv.backends.threads import DaemonPool, Jobs
 from tierkv.blocks import sharedmem
 from tierkv.records import batchio, directio
-from tierkv.records._batchio_py import has_cachestat
+from tierkv.records.batchio import has_cachestat
 from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
+from tierkv.records.read import RecordSource
 
 __all__ = ["DIRECT_MIN_BYTES", "LocalDriver", "LocalSource", "RWF_NOWAIT", "probe_nowait"]
 

@@ -13,9 +13,11 @@ import stat
 import time
 from typing import Any
 
-from tierkv.backends.fsspec._driver import NoWaitUnsupported, SpecialFile, WouldBlock, temp_name
+from tierkv.backends.fsspec._driver import NoWaitUnsupported, WouldBlock
 from tierkv.records import batchio
-from tierkv.records._batchio_py import page_cached
+from tierkv.records.batchio import page_cached
+from tierkv.records.read import SpecialFile
+from tierkv.records.tempnames import temp_name
 
 __all__ = ["NOWAIT_REFUSED", "RWF_NOWAIT", "LocalSource", "may_be_cached", "probe_nowait", "touch_in_order"]
 

@@ -37,10 +37,11 @@ from typing import Any
 
 import anyio
 
-from tierkv.backends.fsspec._driver import Entry, temp_name
+from tierkv.backends.fsspec._driver import Entry
 from tierkv.backends.fsspec._foreign import ForeignFutures
 from tierkv.backends.fsspec._remote import RequestDriver, RetryPolicy
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
+from tierkv.records.tempnames import temp_name
 
 __all__ = ["CLIENTS", "ENV_CLIENT", "MULTIPART_BYTES", "ObstoreDriver", "obstore_module", "open_obstore",
            "s3_store_config", "translate"]

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from tierkv.backends.fsspec._driver import WouldBlock
 from tierkv.backends.fsspec._localsource import LocalSource
 from tierkv.backends.fsspec._readproc import Item
-from tierkv.records.format import TRAILER_LEN, none_parts_match
+from tierkv.records import TRAILER_LEN, none_parts_match
 
 
 def _serve(argv: list[str]) -> int:

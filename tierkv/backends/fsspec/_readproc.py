@@ -8,7 +8,7 @@ adapter's pool, a ``cpu`` tier with ``shm_path``), helper processes with their o
 same file and read there instead.
 
 A helper reads only what the page cache holds (``RWF_NOWAIT``) and only unencrypted ``none``
-records it can verify in place (:func:`~tierkv.records.format.none_parts_match`: header, key and
+records it can verify in place (:func:`~tierkv.records.none_parts_match`: header, key and
 checksum; an encrypted tier reads in its own threads). It answers
 each record with its size when verified, else 0, and the driver then reads that record in its own
 threads as it would have (a cold record, a damaged one, another codec, an absent file): so a
@@ -26,9 +26,9 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-import tierkv
 from tierkv.blocks.sharedmem import SharedRegion, region_of
 
 __all__ = ["Item", "ReaderProcess", "ReaderProcesses", "supported"]
@@ -54,7 +54,7 @@ class ReaderProcess:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         specs = [f"{r.id}:{r.fd}:{r.size}:{int(r.size <= POPULATE_MAX_BYTES)}" for r in regions]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(tierkv.__file__)))  # holds the package
+        root = str(Path(__file__).resolve().parents[3])  # holds the package
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         try:

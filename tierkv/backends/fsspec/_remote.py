@@ -13,18 +13,11 @@ from typing import Any, TypeVar, cast
 
 import anyio
 
-from tierkv.backends.fsspec._driver import (
-    BytesSource,
-    Driver,
-    Entry,
-    RecordSource,
-    abs_path,
-    detach,
-    info_mtime,
-    temp_name,
-)
+from tierkv.backends.fsspec._driver import BytesSource, Driver, Entry, abs_path, detach, info_mtime
 from tierkv.errors import DOWN_TYPES
 from tierkv.records.outcomes import SKIPPED, Failed, Found, RecordWrite, Written
+from tierkv.records.read import RecordSource
+from tierkv.records.tempnames import temp_name
 
 __all__ = ["AsyncDriver", "RequestDriver", "RetryPolicy", "SyncDriver", "transient"]
 

@@ -43,11 +43,7 @@ import torch
 from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
-from tierkv.backends.fsspec._driver import (
-    Driver,
-    RecordSource,
-    temp_owner_alive,
-)
+from tierkv.backends.fsspec._driver import Driver
 from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
@@ -65,12 +61,11 @@ from tierkv.backends.namespace import (
     record_path,
 )
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
+from tierkv.records import encode_record_parts
 from tierkv.records.encryption import KeyRing
-from tierkv.records.format import (
-    encode_record_parts,
-)
 from tierkv.records.outcomes import Failed, Found, RecordRead, Skipped, Written
-from tierkv.records.read import RECORD_OVERHEAD, Heads, none_heads, read_into
+from tierkv.records.read import RECORD_OVERHEAD, Heads, RecordSource, none_heads, read_into
+from tierkv.records.tempnames import temp_owner_alive
 from tierkv.records.verdicts import Refusals, sort_reads
 from tierkv.tensors import as_bytes
 

@@ -22,7 +22,7 @@ from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 from tierkv.backends.mooncake._config import MooncakeTierConfig, split_endpoint
 from tierkv.errors import BackendError, CorruptRecord, TierUnavailable
-from tierkv.records.format import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
+from tierkv.records import TRAILER_LEN, decode_record, encode_record_parts, none_parts_match
 
 __all__ = ["ABSENT", "DOWN_CODES", "INCOMPLETE", "NOT_MOUNTED", "MooncakeClient", "Verdicts", "Writes",
            "probe_master"]
@@ -263,7 +263,7 @@ class MooncakeClient:
     def get(self, names: list[str], keys: Sequence[bytes], rows: np.ndarray, heads: Sequence[bytes],
             fingerprint: str) -> Verdicts:
         """Read and verify one record per row, straight into the row. ``heads[i]`` is the header
-        key ``i``'s record must have (:func:`~tierkv.records.format.none_header`)."""
+        key ``i``'s record must have (:func:`~tierkv.records.none_header`)."""
         n, block = rows.shape
         frame_bytes = sum(len(h) for h in heads) + n * TRAILER_LEN
         frames = _frames(frame_bytes)

@@ -80,8 +80,7 @@ async def measure(args: TierBench, advance: Callable[[int], None],
     import torch
 
     from tierkv import GroupSpec, Layout, Lookup, TieredStore
-    from tierkv.backends.fsspec import FsspecTierConfig
-    from tierkv.backends.fsspec._open import is_local_url
+    from tierkv.backends.fsspec import FsspecTierConfig, is_local_url
 
     block = args.block_kib << 10
     n = args.blocks
@@ -192,8 +191,7 @@ async def remove_records(tier: dict[str, Any], layout: Layout, namespace: str, h
     """Delete what ``bench tier`` wrote (its records and its namespace's layout file); a warning,
     not an error, when that fails."""
     from tierkv.backends.base import TierContext
-    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
-    from tierkv.backends.fsspec._open import is_local_url
+    from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, is_local_url
     from tierkv.backends.namespace import manifest_path
 
     ctx = TierContext(layout=layout, namespace=namespace, fingerprint=layout.fingerprint(namespace))
