@@ -110,7 +110,7 @@ bench/peers_compare.py prints every ratio of two such JSON files side by side.
 ``--quick``: 96 MB per block size, 5 rounds, the full run's calls, the systems ``device, vllm-fs,
 tierkv, tierkv-api, lmcache-disk`` (3-4 minutes on 2 busy CPUs). Two back-to-back runs are meant to
 agree within 15 % on every ratio; on a machine busy with other work they do not, and the run says
-so (``machine load: ... BUSY``, from bench/peers_load.py); docs/performance.md has what was measured.
+so (``machine load: ... BUSY``, from bench/peers_load.py); docs/performance-history.md has what was measured.
 
 Guarantees (once per system, 1 MiB blocks; ``--no-guarantees`` skips them):
 ``wrong bytes``: 8 blocks stored, one byte in the middle of one block's file flipped, that block
@@ -1127,7 +1127,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
     ap.add_argument("--json-file", metavar="FILE.json", help="also write that JSON object to FILE")
     ap.add_argument("--plot", metavar="FILE.png", help="bar chart of the same results (needs matplotlib)")
-    ap.add_argument("--markdown", metavar="FILE.md", help="the tables as markdown (docs/performance.md's)")
+    ap.add_argument("--markdown", metavar="FILE.md", help="the tables as markdown (docs: performance)")
     ap.add_argument("--repeats", type=int, help=f"rounds (default 3; --quick {QUICK_REPEATS})")
     ap.add_argument("--threads", type=int, default=4, help="I/O threads per system (see the doc)")
     ap.add_argument("--sizes", default="256K,1M,2M", help="block sizes")

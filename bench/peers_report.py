@@ -182,7 +182,7 @@ def _cell(row: dict[str, Any], key: str = "mb_s", spec: str = ",.0f") -> str:
 
 
 def markdown(results: list[dict[str, Any]], sizes: list[int], names: list[str], stamp: str) -> str:
-    """The two tables of docs/performance.md's peers section, as markdown, from ``results``."""
+    """The two tables of docs/performance-history.md's peers section, as markdown, from ``results``."""
     by = _by(results)
     ok = [n for n in names if by.get((n, sizes[0], "store", None), {}).get("mb_s") is not None]
     lines = [f"<!-- {stamp} -->", "",

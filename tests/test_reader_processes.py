@@ -23,12 +23,13 @@ import pytest
 import torch
 from helpers import ctrl_c, evict
 
-from tierkv import GroupSpec, Layout, Lookup, TieredStore, sharedmem
+from tierkv import GroupSpec, Layout, Lookup, TieredStore
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.backends.fsspec import _local as local_driver
 from tierkv.backends.fsspec import _readproc as readproc
 from tierkv.backends.fsspec._readproc import ReaderProcesses
+from tierkv.blocks import sharedmem
 from tierkv.blocks.pool import PoolPlan, plan_pools, shared_pool_tensors
 from tierkv.errors import ConfigError
 from tierkv.keys import make_key

@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import FULL, blocks, config, hashes
 
-from tierkv import GroupSpec, Layout, TieredStore, make_key, rowsink
+from tierkv import GroupSpec, Layout, TieredStore, make_key
 from tierkv.backends import registry
 from tierkv.backends.base import RowLanded
 from tierkv.backends.memory import MemoryTier
+from tierkv.blocks import rowsink
 from tierkv.blocks.pool import SlotPool
 from tierkv.blocks.rowsink import RowSink
 from tierkv.tensors import copy_row

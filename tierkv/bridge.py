@@ -40,7 +40,7 @@ log = logging.getLogger("tierkv")
 
 #: the GIL switch interval engine adapters cap their process's at: a spinning step loop hands the GIL
 #: to tierkv's I/O threads within 0.1 ms (a 4k-token restore from a warm file in vLLM: 0.21 s at
-#: 0.5 ms, 0.15 s at 0.1 ms, the engine's prefill unchanged; docs/performance.md)
+#: 0.5 ms, 0.15 s at 0.1 ms, the engine's prefill unchanged; docs/performance-history.md)
 ENGINE_SWITCH_INTERVAL_S: float = 0.0001
 
 F = TypeVar("F", bound=Callable[..., Any])

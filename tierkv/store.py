@@ -17,7 +17,6 @@ Engines that copy blocks themselves use :attr:`TieredStore.engine`
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -30,8 +29,7 @@ import torch
 from tierkv.backends.base import Tier, TierContext
 from tierkv.backends.pooltier import PoolTier
 from tierkv.backends.registry import get_backend
-from tierkv.blocks.admission import Admission
-from tierkv.blocks.ledger import BlockLedger
+from tierkv.blocks.admission import Admission, Request
 from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge, locked
 from tierkv.config import StoreConfig
@@ -39,13 +37,11 @@ from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
 from tierkv.movement.availability import LowerTiers
-from tierkv.movement.cascade import Cascader
 from tierkv.movement.costmodel import CostModel
 from tierkv.movement.engine import EngineSlots, Reservation, pool_for
 from tierkv.movement.gateway import TierGateway
-from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup, Resolver
-from tierkv.movement.promotion import Promoter
-from tierkv.movement.reader import Reader
+from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
+from tierkv.movement.parts import Parts
 from tierkv.movement.writer import place_blocks
 from tierkv.observing.events import ListenerThread, subscribe
 from tierkv.observing.exporter import start_metrics
@@ -85,13 +81,7 @@ class TieredStore:
         self._open = False
         self._pools: dict[int, SlotPool] = {}
         self._gateways: list[TierGateway] = []
-        self._admission = Admission({}, self.config.admission)
-        self._ledger: BlockLedger | None = None
-        self._cascader: Cascader | None = None
-        self._promoter: Promoter | None = None
-        self._resolver: Resolver | None = None
-        self._engine: EngineSlots | None = None
-        self._reader: Reader | None = None
+        self._parts: Parts | None = None
         self._metrics: Any = None
         self._lower = LowerTiers(self._bridge, [], {}, lambda *_: None)
         self._listeners: list[ListenerThread] = []
@@ -127,13 +117,12 @@ class TieredStore:
             await _close_all([self._primary])
             raise
         self._open = True
-        ledger = self._ledger
-        assert ledger is not None
-        ledger.open = True
-        self._bridge.spawn(self._admission.sweep_leases, self.config.pin_lease_s, self._lock, ledger.changed)
+        parts = self._wired()
+        parts.ledger.open = True
+        self._bridge.spawn(parts.admission.sweep_leases, self.config.pin_lease_s, self._lock,
+                           parts.ledger.changed)
         self._bridge.spawn(_guarded, self._primary.background)
-        assert self._cascader is not None
-        self._lower = LowerTiers(self._bridge, self._gateways, self._pools, self._cascader.retry)
+        self._lower = LowerTiers(self._bridge, self._gateways, self._pools, parts.cascader.retry)
         self._lower.start()
         try:
             await self._lower.wait_open()
@@ -143,30 +132,20 @@ class TieredStore:
             raise
 
     def _wire(self) -> None:
-        """Build the collaborators over the primary's pools and one gateway per lower tier."""
+        """Build the parts over the primary's pools and one gateway per lower tier."""
         self._pools = self._primary.pools
-        lock = self._lock
-        self._gateways = [TierGateway(i, t, lock, up=False) for i, t in enumerate(self._tiers[1:], start=1)]
-        self._admission = Admission(self._pools, self.config.admission)
-        self._ledger = ledger = BlockLedger(self._pools, self._admission, self._bridge.set_event)
-        self._cascader = Cascader(self._bridge, ledger, self._gateways)
-        self._promoter = Promoter(self._bridge, ledger, self._gateways)
-        self._resolver = Resolver(self.layout, ledger, self._gateways, self._admission, self._promoter,
-                                  self._cost)
-        ledger.subscribe(self._admit_queued)
-        self._engine = EngineSlots(lock=lock, layout=self.layout, ledger=ledger, admission=self._admission,
-                                   resolver=self._resolver, check_open=self._check_open,
-                                   committed=self._committed)
-        self._reader = Reader(bridge=self._bridge, ledger=ledger, admission=self._admission,
-                              gateways=self._gateways, promoter=self._promoter, stats=self._primary_stats)
-        for g, pool in self._pools.items():
-            pool.on_evict = functools.partial(self._evicted, g)
+        self._gateways = [TierGateway(i, t, self._lock, up=False)
+                          for i, t in enumerate(self._tiers[1:], start=1)]
+        self._parts = Parts.build(layout=self.layout, pools=self._pools, gateways=self._gateways,
+                                  bridge=self._bridge, cost=self._cost,
+                                  admission_config=self.config.admission, primary_stats=self._primary_stats,
+                                  check_open=self._check_open, counts=self._counts)
 
-    def _admit_queued(self) -> None:
-        """Slots may have come free: admit the requests waiting in the queue, first come first
-        served, and start their promotions (under the lock)."""
-        if self._admission.queue and self._promoter is not None and self._resolver is not None:
-            self._promoter.start(self._admission.service(self._resolver.held_by))
+    def _wired(self) -> Parts:
+        """The parts of the open store (:class:`StoreClosed` before it opens)."""
+        if self._parts is None:
+            raise StoreClosed("the store is not open: use 'async with TieredStore(config) as store'")
+        return self._parts
 
     async def close(self) -> None:
         """Wait for admitted cascades (each tier at most its ``close_timeout_s``), stop background
@@ -184,15 +163,15 @@ class TieredStore:
         try:
             with anyio.move_on_after(lower.close_bound()):
                 await self.flush()
-            if self._cascader is not None:
+            if self._parts is not None:
                 with self._lock:
-                    pending = dict(self._cascader.pending)
+                    pending = dict(self._parts.cascader.pending)
                 lower.abandon_unwritten(pending)
         finally:
             with self._lock:
                 self._open = False
-                if self._ledger is not None:
-                    self._ledger.open = False
+                if self._parts is not None:
+                    self._parts.ledger.open = False
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
                     # background work stuck on a tier that does not answer is left behind
@@ -227,8 +206,7 @@ class TieredStore:
     def engine(self) -> EngineSlots:
         """The slot API for engine adapters (see :mod:`tierkv.movement.engine`)."""
         self._check_open()
-        assert self._engine is not None
-        return self._engine
+        return self._wired().engine
 
     # ---- validation -----------------------------------------------------------------------------
     def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
@@ -252,36 +230,19 @@ class TieredStore:
         pool, keys = self._keys(group, hashes)
         src = byte_rows(blocks, len(keys), pool.block_bytes, "blocks", pool.device)
         self._counts["puts"] += 1
-        assert self._cascader is not None
-        assert self._ledger is not None
-        place_blocks(self._ledger, group, keys, src, self._cascader, self._committed, self._counts)
-
-    def _committed(self, group: int, keys: list[bytes], slots: list[int]) -> None:
-        """Blocks just became READY in the primary: count them and cascade them down."""
-        nbytes = len(slots) * self._pools[group].block_bytes
-        self._primary_stats.stores += len(slots)
-        self._primary_stats.bytes_written += nbytes
-        assert self._cascader is not None
-        self._cascader.start(group, keys, slots, None)
-
-    def _evicted(self, group: int, keys: list[bytes]) -> None:
-        """Keys left the primary to make room: count those no lower tier holds; tell listeners."""
-        now = time.monotonic()
-        unbacked = sum(1 for k in keys if not any(gw.presence(group, k, now) for gw in self._gateways))
-        self._counts["evictions_unbacked"] += unbacked
-        if self._engine is not None:
-            self._engine.notify_evicted(group, keys)
+        parts = self._wired()
+        place_blocks(parts.ledger, group, keys, src, parts.cascader, parts.committed, self._counts)
 
     async def flush(self) -> None:
         """Wait until every admitted cascade has finished (or failed, counted in ``stats()``), then
         write the retry queue of every lower tier that is up and answers (a tier that is down keeps
         its queue until its health check: docs/tiers.md, "Outages, stalls and the retry queue")."""
-        if self._cascader is not None:
-            await self._cascader.flush()
+        if self._parts is not None:
+            await self._parts.cascader.flush()
 
     async def idle(self) -> None:
         """Wait until no cascade, promotion or probe is in flight (for tests and simulations)."""
-        while (self._cascader is not None and self._cascader.running) or self._bridge.busy:
+        while (self._parts is not None and self._parts.cascader.running) or self._bridge.busy:
             await self.flush()
             await self._bridge.wait_idle()
 
@@ -302,16 +263,9 @@ class TieredStore:
                       request_id: str | None = None) -> list[KeyState]:
         """:meth:`lookup` with the reason behind each answer (see :class:`KeyState`)."""
         _, keys = self._keys(group, hashes)
-        assert self._resolver is not None
-        req = self._admission.request(request_id)
-        anon = req is None
-        if req is None:
-            req = self._admission.anonymous()
-        try:
-            states = self._resolver.states(group, keys, req)
-        finally:
-            if anon:
-                self._admission.end_call(req)
+        parts = self._wired()
+        with _asking(parts.admission, request_id) as req:
+            states = parts.resolver.states(group, keys, req)
         for st in states:
             self._lookups[st.lookup.value] += 1
         return states
@@ -326,16 +280,9 @@ class TieredStore:
         A prefix needing more blocks of a group than its pool has falls back to the longest that fits.
         """
         self._check_open()
-        assert self._resolver is not None
-        req = self._admission.request(request_id)
-        anon = req is None
-        if req is None:
-            req = self._admission.anonymous()
-        try:
-            result = self._resolver.prefix(hashes, req)
-        finally:
-            if anon:
-                self._admission.end_call(req)
+        parts = self._wired()
+        with _asking(parts.admission, request_id) as req:
+            result = parts.resolver.prefix(hashes, req)
         self._lookups[result.state.value] += 1
         return result
 
@@ -345,8 +292,7 @@ class TieredStore:
         self._check_open()
         if type(request_id) is not str:
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
-        assert self._ledger is not None
-        self._ledger.release(request_id)
+        self._wired().ledger.release(request_id)
 
     # ---- get / borrow -------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
@@ -362,9 +308,9 @@ class TieredStore:
         with self._lock:
             pool, keys = self._keys(group, hashes)
             out8 = byte_rows(out, len(keys), pool.block_bytes, "out", pool.device, writable=True)
-            req = self._admission.request(request_id)
-        assert self._reader is not None
-        await self._reader.get(group, pool, keys, out8, req)
+            parts = self._wired()
+            req = parts.admission.request(request_id)
+        await parts.reader.get(group, pool, keys, out8, req)
 
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, hashes: Sequence[bytes],
@@ -381,9 +327,9 @@ class TieredStore:
         """
         with self._lock:
             pool, keys = self._keys(group, hashes)
-            req = self._admission.request(request_id)
-        assert self._reader is not None
-        async with self._reader.borrow(group, pool, keys, req) as rows:
+            parts = self._wired()
+            req = parts.admission.request(request_id)
+        async with parts.reader.borrow(group, pool, keys, req) as rows:
             yield rows
 
     @contextlib.contextmanager
@@ -393,8 +339,8 @@ class TieredStore:
         the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits."""
         with self._lock:
             pool, keys = self._keys(group, hashes)
-        assert self._reader is not None
-        with self._reader.lend(group, pool, keys) as slots:
+            reader = self._wired().reader
+        with reader.lend(group, pool, keys) as slots:
             yield slots
 
     # ---- state ----------------------------------------------------------------------------------
@@ -411,8 +357,8 @@ class TieredStore:
         """The durations observed since the last call, per histogram and labels (the metric of
         :data:`tierkv.observing.metrics.HISTOGRAMS`), for publishers that take raw values (vLLM's metrics)."""
         out = [o for gw in self._gateways for o in gw.drain_histograms()]
-        if self._resolver is not None:
-            out.append((HISTOGRAMS["pending_seconds"], (), self._resolver.pending_seconds.drain()))
+        if self._parts is not None:
+            out.append((HISTOGRAMS["pending_seconds"], (), self._parts.resolver.pending_seconds.drain()))
         return [o for o in out if o[2]]
 
     def set_recompute_rate(self, tokens_per_s: float) -> None:
@@ -422,8 +368,9 @@ class TieredStore:
     @locked
     def has_pending_work(self) -> bool:
         """True while cascades, promotions, probes or queued requests are in flight."""
-        running = self._cascader.running if self._cascader is not None else 0
-        return bool(running or self._bridge.busy or self._admission.queue)
+        parts = self._parts
+        busy = parts is not None and bool(parts.cascader.running or parts.admission.queue)
+        return busy or self._bridge.busy
 
     @locked
     def check(self) -> list[str]:
@@ -432,7 +379,7 @@ class TieredStore:
 
         For tests and debugging; it walks every slot, so it is not meant for a hot path.
         """
-        return self._ledger.problems() if self._ledger is not None else []
+        return self._parts.ledger.problems() if self._parts is not None else []
 
     @locked
     def stats(self) -> StoreStats:
@@ -441,20 +388,34 @@ class TieredStore:
         prim = self._primary_stats.model_copy()
         prim.used_bytes = self._primary.used_bytes()
         prim.backend = dict(self._primary.counters)
+        parts = self._parts
         return StoreStats(
             plan=self._primary.planned(), tiers=[prim] + [gw.snapshot() for gw in self._gateways],
             groups=groups,
-            lookups=dict(self._lookups), requests_active=len(self._admission.requests),
-            admission_queue=len(self._admission.queue),
+            lookups=dict(self._lookups), requests_active=len(parts.admission.requests) if parts else 0,
+            admission_queue=len(parts.admission.queue) if parts else 0,
             cost=self._cost.snapshot(),
             pending_deadline_miss=self._cost.deadline_misses,
-            pending_seconds=(self._resolver.pending_seconds.snapshot() if self._resolver is not None
-                             else HistogramStats()),
-            promotions_pending=len(self._ledger.promoting) if self._ledger is not None else 0,
+            pending_seconds=parts.resolver.pending_seconds.snapshot() if parts else HistogramStats(),
+            promotions_pending=len(parts.ledger.promoting) if parts else 0,
             events_dropped=sum(lt.dropped for lt in self._listeners),
-            leases_expired=self._admission.leases_expired,
+            leases_expired=parts.admission.leases_expired if parts else 0,
             **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
-                self._cascader.dropped if self._cascader is not None else 0)})
+                parts.cascader.dropped if parts else 0)})
+
+
+@contextlib.contextmanager
+def _asking(admission: Admission, request_id: str | None) -> Iterator[Request]:
+    """The request ``request_id`` names, or an anonymous call's for the length of the block."""
+    req = admission.request(request_id)
+    if req is not None:
+        yield req
+        return
+    call = admission.anonymous()
+    try:
+        yield call
+    finally:
+        admission.end_call(call)
 
 
 async def _guarded(fn: Callable[[], Awaitable[None]]) -> None:

@@ -70,7 +70,7 @@ def copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
     Between contiguous CPU tensors of the same dtype and size this is one ``memmove`` with the GIL
     released. Torch's ``copy_`` splits even a 256 KiB row over its intra-op threads, and called
     from a worker thread (a tier's reader) that costs more than the copy: 4 GB/s against 21 for
-    ``memmove`` here (docs/performance.md, "Loads and stores: scattered rows, and row copies from
+    ``memmove`` here (docs/performance-history.md, "Loads and stores: scattered rows, and row copies from
     threads").
     """
     n = dst.nbytes

@@ -36,7 +36,7 @@ Per item, a result is a byte count (>= 0) or ``-errno``:
     direct_refused)``.
 
 Checksums stay with the caller (tierkv/records/format.py): xxh3_64 of a MiB costs about 18 us, and the
-streaming ``xxhash.xxh3_64().update`` releases the GIL while it hashes (docs/performance.md,
+streaming ``xxhash.xxh3_64().update`` releases the GIL while it hashes (docs/performance-history.md,
 "Native batch I/O").
 """
 

@@ -149,7 +149,7 @@ def preallocate(fd: int, size: int) -> bool:
 
     Without it, the whole blocks written with ``O_DIRECT`` are placed at once but the buffered
     tail only at writeback, away from them: every record read from the device took two requests
-    in two places (docs/performance.md, "Cold loads: where the time goes"). Not
+    in two places (docs/performance-history.md, "Cold loads: where the time goes"). Not
     ``os.posix_fallocate``: where the file system has no ``fallocate`` the C library emulates it
     by writing every block.
     """

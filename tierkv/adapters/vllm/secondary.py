@@ -88,11 +88,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, PositiveFloat, ValidationError, field_validator
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -106,16 +105,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierkv import ConfigError, GroupSpec, Layout, StoreClosed
+from tierkv import ConfigError, StoreClosed
 from tierkv.adapter import (
     BACKEND_METRICS,
-    ENGINE_SWITCH_INTERVAL_S,
     GROUP_BYTES,
     HISTOGRAMS,
     TIER_METRICS,
     USED_BYTES,
     FsspecTier,
-    FsspecTierConfig,
     LoopThread,
     TierContext,
     TierGateway,
@@ -125,9 +122,13 @@ from tierkv.adapter import (
     release_shared,
     tier_samples,
 )
-from tierkv.adapters.fingerprint import engine_namespace
-from tierkv.adapters.vllm.fingerprint import check_hashes, engine_configs, fingerprint_fields, hash_algo
+from tierkv.adapters.vllm.fingerprint import check_hashes, engine_configs, hash_algo
 from tierkv.adapters.vllm.manager import CounterDeltas, vllm_metric_definitions
+from tierkv.adapters.vllm.secondary_config import (
+    TierKVSecondaryTierConfig,
+    build_namespace_layout,
+    parse_config,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -145,95 +146,6 @@ log = logging.getLogger("tierkv.vllm")
 
 #: probes queued by lookups are sent at ``on_schedule_end``, or as soon as this many are queued
 PROBE_BATCH = 512
-
-
-class TierKVSecondaryTierConfig(FsspecTierConfig):
-    """The keys of a ``TierKVSecondaryTier`` entry in ``secondary_tiers``.
-
-    All fields of :class:`~tierkv.backends.fsspec._config.FsspecTierConfig` (``url``, ``storage_options``,
-    ``codec``, ``capacity_bytes``, ``fsync``, ``io_threads``, TTLs, in-flight bounds, ...) plus:
-
-    - ``namespace``: an extra string mixed into the namespace (e.g. to keep two deployments of
-      the same model apart, or to tag a fine-tune served under the base model's name).
-    - ``locality``: ``"LOCAL"`` or ``"REMOTE"`` (vLLM's ``kv_load_tiers`` filter uses it).
-    - ``enable_kv_events``: emit a ``BlockStored``-style ``OffloadingEvent`` for every key written
-      (only when vLLM's KV cache events are enabled globally). Evictions are not reported.
-    - ``gil_switch_interval_s``: at most this GIL switch interval in the scheduler's process, as in
-      the connector's settings (unset: leave it as it is).
-
-    ``read_concurrency`` bounds concurrent load jobs and ``max_inflight_ops`` concurrent store jobs;
-    ``kind`` can only be ``"fsspec"``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    namespace: str = ""
-    locality: Literal["LOCAL", "REMOTE"] | None = None
-    enable_kv_events: bool = False
-    #: vLLM's step loop spins while loads are in flight; with Python's default 5 ms switch interval
-    #: every hand-over of the GIL to the tier's I/O threads waits that long
-    gil_switch_interval_s: PositiveFloat | None = ENGINE_SWITCH_INTERVAL_S
-
-    @field_validator("kind")
-    @classmethod
-    def _fsspec_only(cls, v: str) -> str:
-        if v != "fsspec":
-            raise ValueError(f"must be 'fsspec', got {v!r}")
-        return v
-
-    def tier_config(self) -> FsspecTierConfig:
-        """The settings of the underlying fsspec tier."""
-        return FsspecTierConfig(**self.model_dump(include=set(FsspecTierConfig.model_fields)))
-
-
-def _parse_config(cfg: dict[str, Any], tier_type: str) -> TierKVSecondaryTierConfig:
-    try:
-        return TierKVSecondaryTierConfig(**cfg)
-    except ValidationError as exc:
-        # Never echo input values: storage_options may hold credentials.
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-            for err in exc.errors(include_url=False, include_input=False, include_context=False)
-        )
-        raise ConfigError(f"secondary tier {tier_type!r}: invalid configuration: {problems}") from None
-
-
-def build_namespace_layout(offloading_spec: Any, block_bytes: int, user_namespace: str = "",
-                           engine: tuple[Any, Any] | None = None) -> tuple[Layout, str]:
-    """The tierkv layout and namespace string for a vLLM ``OffloadingSpec`` (see the module doc);
-    ``engine`` is ``(VllmConfig, KVCacheConfig)`` (default: found by
-    :func:`~tierkv.adapters.vllm.fingerprint.engine_configs`)."""
-    config = getattr(offloading_spec, "config", None)
-    if config is None or not getattr(config, "groups", None):
-        raise ConfigError("TierKVSecondaryTier needs vLLM's OffloadingSpec (with config.groups)")
-    offloaded = {int(g.group_id): g for g in config.groups}
-    n_groups = max(offloaded) + 1
-    groups = [GroupSpec(kind="full" if i in offloaded else "scratch", block_bytes=block_bytes)
-              for i in range(n_groups)]
-    bpc = int(config.cache.blocks_per_chunk)
-    chunk_tokens = [int(g.tokens_per_block) * bpc for g in config.groups]
-    layout = Layout(tokens_per_block=chunk_tokens[0], groups=groups)
-    par = config.parallel
-    if engine is None:
-        engine = engine_configs()
-    vllm_config, kv_cache_config = engine
-    parts: dict[str, Any] = {
-        **fingerprint_fields(config, vllm_config, kv_cache_config, sorted(offloaded)),
-        "engine": "vllm-tiering",
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "rank": par.rank,
-        "blocks_per_chunk": bpc,
-        "group_tokens": ",".join(f"{g.group_id}:{g.tokens_per_block}" for g in config.groups),
-        "world_size": par.world_size,
-        "tp": par.tp_size,
-        "pp": par.pp_size,
-        "pcp": par.pcp_size,
-        "dcp": par.dcp_size,
-        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
-        "canonical": bool(getattr(config, "canonical_layout", False)),
-        "replicated": bool(getattr(offloading_spec, "replicated_layout", False)),
-    }
-    return layout, engine_namespace(parts, user_namespace)
 
 
 #: the metrics :meth:`TierKVSecondaryTier.get_stats` reports (tierkv's one naming scheme, labelled
@@ -262,7 +174,7 @@ class TierKVSecondaryTier(SecondaryTierManager):  # type: ignore[misc,unused-ign
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, **cfg: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.settings = _parse_config(cfg, tier_type)
+        self.settings = parse_config(cfg, tier_type)
         cap_switch_interval(self.settings.gil_switch_interval_s)
         self.locality = Locality(self.settings.locality) if self.settings.locality else None
         block = self.block_size_bytes

@@ -83,7 +83,7 @@ class LocalDriver(Driver):
     The driver owns a pool of ``threads`` worker threads, which bounds the tier's concurrency
     (``limiter`` is not used here). Jobs go straight to the pool's queue, so a thread that finishes
     one job starts the next without a round trip through the event loop: with page-cache reads of
-    30 us, that round trip was a fifth of a load (docs/performance.md). A caller cancelled while its
+    30 us, that round trip was a fifth of a load (docs/performance-history.md). A caller cancelled while its
     jobs run still waits for them: they write into the caller's buffers.
     """
 
