@@ -42,6 +42,25 @@ def test_a_block_fills_every_row_that_wants_it_once() -> None:
     assert not sink.filled(1)
 
 
+def test_pool_copies_and_rows_read_aside_go_through_the_sink_and_stop_at_close() -> None:
+    pool = SlotPool(0, 8, 4)
+    slots, _ = pool.allocate([b"a", b"b", b"c"])  # type: ignore[misc]
+    pool.write(slots, torch.arange(24, dtype=torch.uint8).reshape(3, 8))
+    pool.mark_ready(slots)
+    out = torch.zeros((4, 8), dtype=torch.uint8)
+    sink = RowSink(out, [b"a", b"x", b"c", b"y"])
+    sink.copy_slots([0, 2], pool, [slots[0], slots[2]])  # not a run: gathered, then scattered
+    assert out[0].tolist() == list(range(8)) and out[2].tolist() == list(range(16, 24))
+    sink.copy_rows([3], torch.full((1, 8), 5, dtype=torch.uint8))
+    assert out[3].tolist() == [5] * 8 and out[1].tolist() == [0] * 8
+    assert [sink.filled(i) for i in range(4)] == [True, False, True, True]
+    sink.fill(b"a", torch.full((8,), 9, dtype=torch.uint8))  # a row copied from the pool stays as it is
+    assert out[0].tolist() == list(range(8))
+    sink.close()
+    sink.fill(b"x", torch.full((8,), 9, dtype=torch.uint8))
+    assert out[1].tolist() == [0] * 8
+
+
 @pytest.mark.parametrize("where", ["caller", "worker thread"])
 def test_a_row_copy_is_byte_exact_from_any_thread_and_falls_back_where_memmove_cannot(where: str) -> None:
     src = torch.randint(0, 256, (4, 4096), dtype=torch.uint8)

@@ -286,6 +286,14 @@ class BlockLedger:
         self.admission.release(request_id)
         self.changed()
 
+    def pin(self, req: Request, group: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """``req`` holds ``keys`` of ``group`` (resident in ``slots``) until it unpins them."""
+        self.admission.pin_many(req, group, list(keys), list(slots))
+
+    def touch(self, group: int, keys: Sequence[bytes]) -> None:
+        """``keys`` of ``group`` were used: their recency for the pool's eviction policy."""
+        self.pools[group].touch_many(keys)
+
     # ---- pins -----------------------------------------------------------------------------------
     def pin_cascade(self, group: int, slots: Sequence[int]) -> None:
         """A cascade reads ``slots``: they stay until it ends."""

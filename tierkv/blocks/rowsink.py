@@ -1,4 +1,8 @@
-"""A ``get`` call's rows, filled by the threads that read its blocks, as each read is verified.
+"""A ``get`` call's rows: the one road by which bytes reach them. The threads that read its blocks
+fill rows as each read is verified (:meth:`RowSink.fill`); ``get`` copies blocks resident in the
+pool (:meth:`RowSink.copy_slots`) and blocks read aside or staged (:meth:`RowSink.copy_rows`)
+through the same object, so every row is written once, by one of these, and never after
+:meth:`RowSink.close`.
 
 Without it a promoted block reached the caller in two steps: the tier's thread read and verified
 it into its pool slot, and once the whole batch had landed the event loop copied every row out.
@@ -21,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.tensors import copy_row
+from tierkv.blocks.pool import SlotPool
+from tierkv.tensors import contiguous_run, copy_row, scatter_rows
 
 __all__ = ["RowSink"]
 
@@ -68,6 +73,29 @@ class RowSink:
     def filled(self, i: int) -> bool:
         """Whether row ``i`` holds its block already."""
         return bool(self._filled[i])
+
+    def copy_slots(self, rows: list[int], pool: SlotPool, slots: list[int]) -> None:
+        """Copy the READY ``slots`` of ``pool`` into ``rows`` (the caller holds the store's lock):
+        one copy for a run of consecutive rows, else one gathered copy and one scatter."""
+        out = self._out
+        r = contiguous_run(rows)
+        if r is not None:
+            pool.read(slots, out[r[0]:r[1]])
+        else:
+            tmp = torch.empty((len(rows), pool.block_bytes), dtype=torch.uint8, device=out.device)
+            pool.read(slots, tmp)
+            out.index_copy_(0, torch.tensor(rows, dtype=torch.int64, device=out.device), tmp)
+        self._mark(rows)
+
+    def copy_rows(self, rows: list[int], src: torch.Tensor) -> None:
+        """Copy ``src[j]`` (verified bytes: a block read aside, a staged copy) into row ``rows[j]``."""
+        scatter_rows(self._out, rows, src.to(self._out.device))
+        self._mark(rows)
+
+    def _mark(self, rows: list[int]) -> None:
+        with self._lock:
+            for i in rows:
+                self._filled[i] = 1
 
     def close(self) -> None:
         """No copy after this returns (the ones under way are waited for)."""

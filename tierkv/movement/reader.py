@@ -2,9 +2,9 @@
 
 ``get`` copies READY rows out in one batched copy per run, waits for PENDING ones (promotions
 land batch by batch, so it copies as they arrive; the threads reading a promotion it listens on
-copy each verified block into its row at once, :mod:`tierkv.blocks.rowsink`), and promotes blocks no
-primary slot holds, waiting for them the same way (only a pool with no room now makes it read
-them aside).
+copy each verified block into its row at once), and promotes blocks no primary slot holds,
+waiting for them the same way (only a pool with no room now makes it read them aside). Every
+byte reaches the caller's rows through the call's :class:`~tierkv.blocks.rowsink.RowSink`.
 ``borrow`` lends the rows where they lie in the pool, pinned until the caller is done.
 """
 
@@ -26,7 +26,7 @@ from tierkv.errors import BlockMissing
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.promotion import Promoter
 from tierkv.observing.metrics import TierStats
-from tierkv.tensors import contiguous_run, row_span, scatter_rows
+from tierkv.tensors import contiguous_run, row_span
 
 __all__ = ["Reader"]
 
@@ -62,38 +62,35 @@ class Reader:
         todo = list(range(len(keys)))
         missing: list[int] = []
         promoted: set[int] = set()
-        sink: RowSink | None = None  # made once something is waited for (a HIT copies and returns)
+        sink = RowSink(out8, keys)
         listened: list[Landing] = []
         with self._lock:
             call = self._admission.open_call()
         try:
             while todo:
                 with self._lock:
-                    absent, waits = self._copy_resident(pool, keys, todo, out8, sink)
+                    absent, waits = self._copy_resident(pool, keys, todo, sink)
                     if absent:
                         absent = self._promote(group, keys, absent, promoted, call, waits)
                     if waits and out8.device.type == "cpu":
-                        sink = sink or RowSink(out8, keys)
                         self._ledger.listen([keys[i] for i in waits], sink, listened)
                 if absent:
-                    missing += await self._read_aside(group, pool, keys, absent, out8)
+                    missing += await self._read_aside(group, pool, keys, absent, sink)
                 if waits:
                     await next(iter(waits.values())).wait()
                 todo = list(waits)
         finally:
-            if sink is not None:
-                sink.close()
+            sink.close()
             with self._lock:
-                if sink is not None:
-                    self._ledger.unlisten(listened, sink)
+                self._ledger.unlisten(listened, sink)
                 self._admission.end_call(call)
         self._done(req, group, keys)
         if missing:
             raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are held"
                                f" by no tier", missing=sorted(missing))
 
-    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int], out8: torch.Tensor,
-                       sink: RowSink | None) -> tuple[list[int], dict[int, anyio.Event]]:
+    def _copy_resident(self, pool: SlotPool, keys: list[bytes], todo: list[int],
+                       sink: RowSink) -> tuple[list[int], dict[int, anyio.Event]]:
         """Copy READY (and staged) rows out, but for those a reading thread filled already; the
         rows held by no slot, and events to wait for."""
         ready: list[int] = []
@@ -106,12 +103,12 @@ class Reader:
             if s is None:
                 staged = self._ledger.staged_row(keys[i])
                 if staged is not None:
-                    out8[i].copy_(staged)
+                    sink.copy_rows([i], staged.unsqueeze(0))
                 else:
                     absent.append(i)
             elif state[s] is SlotState.READY:
-                if sink is not None and sink.filled(i):
-                    pool.touch(keys[i])
+                if sink.filled(i):
+                    self._ledger.touch(pool.group, [keys[i]])
                     filled += 1
                 else:
                     ready.append(i)
@@ -120,16 +117,8 @@ class Reader:
                 assert ev is not None, "every WRITING slot has an event"
                 waits[i] = ev
         if ready:
-            slots = [index[keys[i]] for i in ready]
-            r = contiguous_run(ready)
-            if r is not None:
-                pool.read(slots, out8[r[0]:r[1]])
-            else:
-                tmp = torch.empty((len(ready), pool.block_bytes), dtype=torch.uint8, device=out8.device)
-                pool.read(slots, tmp)
-                out8.index_copy_(0, torch.tensor(ready, dtype=torch.int64, device=out8.device), tmp)
-            for i in ready:
-                pool.touch(keys[i])
+            sink.copy_slots(ready, pool, [index[keys[i]] for i in ready])
+            self._ledger.touch(pool.group, [keys[i] for i in ready])
         self._stats.hits += len(ready) + filled
         self._stats.bytes_read += (len(ready) + filled) * pool.block_bytes
         return absent, waits
@@ -171,9 +160,9 @@ class Reader:
         return aside
 
     async def _read_aside(self, group: int, pool: SlotPool, keys: list[bytes], rows: list[int],
-                          out8: torch.Tensor) -> list[int]:
+                          sink: RowSink) -> list[int]:
         """Read blocks held by no primary slot into a buffer of the read's own, in a task of the
-        store's, then copy them into ``out8``: the rows still missing. A cancelled caller stops
+        store's, then copy them into their rows: the rows still missing. A cancelled caller stops
         waiting at once; the read ends on its own."""
         buf = torch.empty((len(rows), pool.block_bytes), dtype=torch.uint8)
         sub_keys = [keys[i] for i in rows]
@@ -195,9 +184,8 @@ class Reader:
         ok = result[0] if result else [False] * len(rows)
         got = [j for j, f in enumerate(ok) if f]
         if got:
-            dst = [rows[j] for j in got]
             src = buf if len(got) == len(rows) else buf[got]
-            scatter_rows(out8, dst, src.to(out8.device))
+            sink.copy_rows([rows[j] for j in got], src)
             with self._lock:
                 self._keep(group, pool, [sub_keys[j] for j in got], src)
         return [rows[j] for j, f in enumerate(ok) if not f]
@@ -240,7 +228,7 @@ class Reader:
                 with self._lock:
                     missing, waits, slots = self._lendable(pool, keys)
                     if not missing and not waits:
-                        self._admission.pin_many(lender, group, keys, slots)
+                        self._ledger.pin(lender, group, keys, slots)
                         break
                 if missing:
                     raise BlockMissing(f"{len(missing)} of {len(keys)} blocks of group {group} are not "
@@ -256,7 +244,7 @@ class Reader:
             else:
                 rows = pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.int64, device=pool.device))
             with self._lock:
-                pool.touch_many(keys)
+                self._ledger.touch(group, keys)
                 self._stats.hits += len(keys)
                 self._stats.bytes_read += len(keys) * pool.block_bytes
             yield rows
@@ -275,8 +263,8 @@ class Reader:
                 lender = None
             else:
                 lender = self._admission.open_call()
-                self._admission.pin_many(lender, group, keys, slots)  # type: ignore[arg-type]
-                pool.touch_many(keys)
+                self._ledger.pin(lender, group, keys, slots)  # type: ignore[arg-type]
+                self._ledger.touch(group, keys)
                 self._stats.hits += len(keys)
                 self._stats.bytes_read += len(keys) * pool.block_bytes
         if lender is None:

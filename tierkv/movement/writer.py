@@ -20,12 +20,10 @@ def place_blocks(ledger: BlockLedger, group: int, keys: list[bytes], src: torch.
     are only touched. ``committed(group, keys, slots)`` is told of the blocks that became READY;
     ``counts`` gets ``put_blocks_direct`` and ``put_blocks_dropped``."""
     pool = ledger.pools[group]
-    new = []
-    for i, k in enumerate(keys):
-        if pool.slot_of(k) is None:
-            new.append(i)
-        else:
-            pool.touch(k)
+    new = [i for i, k in enumerate(keys) if pool.slot_of(k) is None]
+    if len(new) < len(keys):
+        held = set(new)
+        ledger.touch(group, [k for i, k in enumerate(keys) if i not in held])
     if not new:
         return
     n = min(len(new), pool.available())
