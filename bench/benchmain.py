@@ -74,7 +74,7 @@ def remove_at_exit(path: str) -> str:
 def interrupted(exc: BaseException | None) -> bool:
     """Whether ``exc`` is Ctrl-C, or an error raised while Ctrl-C unwound (a cleanup it cut short:
     ``shutil.rmtree`` interrupted half-way raises ``EBADF`` from its own ``finally``). The same test
-    as ``tierkv.cli.common.interrupted``, kept here: bench/peers.py's children import this module
+    as ``tierkv.tools.interrupts.interrupted``, kept here: bench/peers.py's children import this module
     in LMCache's and SGLang's venvs, where tierkv is not installed."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

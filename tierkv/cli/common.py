@@ -13,22 +13,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
+from tierkv.tools.interrupts import interrupted
+
 __all__ = ["Formatter", "console", "error", "kv_pairs", "nonneg_float", "positive_float", "positive_int",
            "print_table", "progress", "run_async", "warn", "interrupts_raise", "interrupted"]
 
 T = TypeVar("T")
-
-def interrupted(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is Ctrl-C, or an error raised while Ctrl-C unwound (a cleanup it cut short:
-    ``shutil.rmtree`` interrupted half-way raises ``EBADF`` from its own ``finally``)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__context__
-    return False
-
 
 #: after the first Ctrl-C, a command that has not ended this much later exits 130 regardless
 INTERRUPT_GRACE_S = 10.0

@@ -384,7 +384,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed arguments; returns the exit status (0 ran, 2 error, 130 interrupted)."""
     from rich.console import Console
 
-    from tierkv.cli.common import interrupted
+    from tierkv.tools.interrupts import interrupted
 
     opts = options_from_args(args)
     err = Console(stderr=True)
