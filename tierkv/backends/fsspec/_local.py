@@ -145,18 +145,8 @@ class LocalDriver(Driver):
             # a helper's start (an interpreter, its mappings) is CPU work: done before the store
             # serves, it never competes with the first restore after a restart
             await self.run(self._readers.wait_ready, READERS_READY_S)
-        if self.direct_io is False:
-            return
-        try:
-            ok = await self.run(directio.probe, directory)
-        except OSError:
-            if self.direct_io is True:
-                raise
-            ok = False  # a directory this process cannot write to (read-only, say): buffered
-        if not ok and self.direct_io is True:
-            raise OSError(errno.EINVAL, "direct_io is true but this file system does not support O_DIRECT "
-                          "(older tmpfs, some FUSE mounts); set direct_io to auto or false", directory)
-        self.direct = ok
+        if self.direct_io is not False:
+            self.direct = await self.run(use_direct_io, directory, self.direct_io is True)
 
     def features(self) -> dict[str, bool]:
         """What this file system was found to do: ``direct_io`` (records written past the page
@@ -425,24 +415,41 @@ class LocalDriver(Driver):
 
     async def listdir(self, root: str, pause: Callable[[], bool] | None = None) -> list[Entry]:
         """Walk ``root`` in a worker thread (waiting between directories while ``pause()``)."""
-
-        def walk() -> list[Entry]:
-            out = []
-            deadline = time.monotonic() + PAUSE_MAX_S
-            for d, _, files in os.walk(root):
-                while pause is not None and pause() and time.monotonic() < deadline:
-                    time.sleep(PAUSE_STEP_S)
-                for name in files:
-                    p = f"{d}/{name}"
-                    try:
-                        st = os.lstat(p)  # a symlink (a loop, say) is listed, never followed
-                    except OSError:
-                        continue  # vanished, or unreadable: one bad entry never stops a listing
-                    out.append(Entry(p, st.st_size, st.st_mtime))
-            return out
-
         # a long listing never holds an I/O thread; a hung one is left behind when cancelled
-        return await anyio.to_thread.run_sync(walk, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(walk, root, pause, abandon_on_cancel=True)
+
+
+def use_direct_io(directory: str, required: bool) -> bool:
+    """Whether records under ``directory`` are written with ``O_DIRECT`` (:func:`directio.probe`);
+    ``OSError`` when ``required`` and the file system cannot."""
+    try:
+        ok = directio.probe(directory)
+    except OSError:
+        if required:
+            raise
+        ok = False  # a directory this process cannot write to (read-only, say): buffered
+    if not ok and required:
+        raise OSError(errno.EINVAL, "direct_io is true but this file system does not support O_DIRECT "
+                      "(older tmpfs, some FUSE mounts); set direct_io to auto or false", directory)
+    return ok
+
+
+def walk(root: str, pause: Callable[[], bool] | None) -> list[Entry]:
+    """Every file under ``root`` (symlinks listed, never followed), sleeping between directories
+    while ``pause()`` says so (at most :data:`PAUSE_MAX_S` in all)."""
+    out = []
+    deadline = time.monotonic() + PAUSE_MAX_S
+    for d, _, files in os.walk(root):
+        while pause is not None and pause() and time.monotonic() < deadline:
+            time.sleep(PAUSE_STEP_S)
+        for name in files:
+            p = f"{d}/{name}"
+            try:
+                st = os.lstat(p)  # a symlink (a loop, say) is listed, never followed
+            except OSError:
+                continue  # vanished, or unreadable: one bad entry never stops a listing
+            out.append(Entry(p, st.st_size, st.st_mtime))
+    return out
 
 
 def _remove(path: str) -> OSError | None:
