@@ -9,7 +9,8 @@ Per size, ``--mib`` MiB of records (one file each), written then read with a war
 /proc/sys/vm/drop_caches``, as root; else each file's pages dropped with ``posix_fadvise``).
 Every system uses ``--threads`` threads:
 
-- *native*: ``tierkv.records._batchio``, calls of ``--batch`` records, each with ``threads=--threads``;
+- *native*: ``tierkv.records._batchio``, calls of ``--batch`` records from each of ``--threads``
+  threads (as the tier's I/O threads call it);
   writes as the local tier's defaults make them: temporary file then rename, no fsync
   (``fsync: false``), ``O_DIRECT`` for records of 64 KiB and more (``direct_io: auto``); reads
   buffered (the tier reads buffered, docs/design.md);
@@ -106,7 +107,7 @@ class Ours:
         self.data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(min(count, 8))]
         self.rows = np.ones((count, size), np.uint8)  # touched, as a serving pool is
         self.count = count
-        self.pool = ThreadPoolExecutor(threads) if name == "loop" else None
+        self.pool = ThreadPoolExecutor(threads)
 
     def paths(self, root: str) -> list[str]:
         return [f"{root}/r{i:06d}" for i in range(self.count)]
@@ -120,7 +121,7 @@ class Ours:
 
     def store(self, root: str) -> None:
         items = self._parts(root)
-        if self.pool is not None:
+        if self.name == "loop":
             def loop(r: range) -> None:
                 for i in r:
                     final, tmp, buf = items[i]
@@ -131,15 +132,19 @@ class Ours:
             list(self.pool.map(loop, self._split(len(items))))
             return
         impl = batchio.implementation(self.name)
-        for i in range(0, len(items), self.batch):
-            sizes, _, _ = impl.write_batch(items[i:i + self.batch], False, 0o600, True, 65536, None,
-                                           self.threads)
-            if any(s != self.size for s in sizes):
-                raise OSError(f"{self.name}: a write failed: {sizes}")
+
+        def batches(r: range) -> None:
+            for i in range(r.start, r.stop, self.batch):
+                j = min(r.stop, i + self.batch)
+                sizes, _, _ = impl.write_batch(items[i:j], False, 0o600, True, 65536)
+                if any(s != self.size for s in sizes):
+                    raise OSError(f"{self.name}: a write failed: {sizes}")
+
+        list(self.pool.map(batches, self._split(len(items))))
 
     def load(self, root: str) -> None:
         paths = self.paths(root)
-        if self.pool is not None:
+        if self.name == "loop":
             rows = self.rows
 
             def loop(r: range) -> None:
@@ -150,11 +155,15 @@ class Ours:
             list(self.pool.map(loop, self._split(len(paths))))
             return
         impl = batchio.implementation(self.name)
-        for i in range(0, len(paths), self.batch):
-            got = impl.read_batch(paths[i:i + self.batch], list(self.rows[i:i + self.batch]), False, False,
-                                  self.threads)
-            if any(g != self.size for g in got):
-                raise OSError(f"{self.name}: a read failed: {got}")
+
+        def batches(r: range) -> None:
+            for i in range(r.start, r.stop, self.batch):
+                j = min(r.stop, i + self.batch)
+                got = impl.read_batch(paths[i:j], list(self.rows[i:j]), False, False)
+                if any(g != self.size for g in got):
+                    raise OSError(f"{self.name}: a read failed: {got}")
+
+        list(self.pool.map(batches, self._split(len(paths))))
 
     def checksums(self) -> None:
         """xxh3_64 of every row, as a verifying load would (streaming: the GIL is released)."""

@@ -1,15 +1,15 @@
 /* tierkv.records._batchio: batches of record reads and writes with the GIL released for the whole batch.
  *
- * read_batch(paths, bufs, direct=False, nowait=False, threads=1) -> list[int]
- * write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None,
- *             threads=1) -> (list[int], direct_writes, direct_refused)
+ * read_batch(paths, bufs, direct=False, nowait=False) -> list[int]
+ * write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None)
+ *     -> (list[int], direct_writes, direct_refused)
  *
  * The semantics (open flags, results, temporary files, modes, O_DIRECT handling) are those of the
  * pure-Python tierkv/backends/batchio_py.py, which the tests run against this module item by item;
  * tierkv/backends/batchio.py documents them. Everything Python is done before and after the batch
  * (arguments parsed, paths encoded, buffers exported and held); in between, only system calls and
- * copies, on the caller's thread and up to threads-1 threads of this module, with no Python object
- * touched.
+ * copies, on the caller's thread (the tier's own I/O threads call it, one batch each), with no
+ * Python object touched.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -18,7 +18,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -28,7 +27,6 @@
 
 #define ALIGN 4096
 #define CHUNK (4 << 20)
-#define MAX_THREADS 256
 #define MAX_PARTS 1024 /* IOV_MAX on Linux */
 
 #ifndef O_DIRECT
@@ -453,126 +451,25 @@ static long long write_one(WriteJob *j, const Options *o, char **scratch) {
     return j->parts.total;
 }
 
-/* ---- running a batch over threads ------------------------------------------------------------- */
-
-/* Helper threads are started once and kept (starting three threads per call cost about as much
- * as a plain Python loop spends per 4 KiB record); a call hands its batch to up to threads-1 of
- * them and works on it itself. A forked child starts with none (pthread_atfork). */
+/* ---- running a batch ------------------------------------------------------------------------ */
 
 typedef struct Batch {
     ReadJob *reads;
     WriteJob *writes;
     Py_ssize_t n;
     Options opt;
-    Py_ssize_t next;     /* the next item, taken with __atomic_fetch_add */
-    int helpers;         /* how many helpers may join */
-    int joined;          /* under pool_mu, as are active and queued */
-    int active;
-    struct Batch *queued;
 } Batch;
 
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a batch was queued */
-static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* a helper left a batch */
-static int pool_size = 0;
-static Batch *pool_queue = NULL;
-
-static void work(Batch *b, char **scratch) {
-    for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
-        if (i >= b->n)
-            break;
-        if (b->reads != NULL)
-            b->reads[i].result = read_one(&b->reads[i], b->opt.direct, b->opt.nowait, scratch);
-        else
-            b->writes[i].result = write_one(&b->writes[i], &b->opt, scratch);
-    }
-}
-
-static Batch *open_batch(void) {
-    for (Batch *b = pool_queue; b != NULL; b = b->queued)
-        if (b->joined < b->helpers && __atomic_load_n(&b->next, __ATOMIC_RELAXED) < b->n)
-            return b;
-    return NULL;
-}
-
-static void *helper(void *arg) {
-    char *scratch = NULL; /* kept: the next batch may need it */
-    pthread_mutex_lock(&pool_mu);
-    for (;;) {
-        Batch *b = open_batch();
-        if (b == NULL) {
-            pthread_cond_wait(&pool_work, &pool_mu);
-            continue;
-        }
-        b->joined++;
-        b->active++;
-        pthread_mutex_unlock(&pool_mu);
-        work(b, &scratch);
-        pthread_mutex_lock(&pool_mu);
-        if (--b->active == 0)
-            pthread_cond_broadcast(&pool_done);
-    }
-    return NULL;
-}
-
-/* Start helpers until there are `want` (fewer if the system refuses); called under pool_mu.
- * Helpers block every signal: Python's handlers run in the main thread, and a signal never
- * interrupts a helper's system call. */
-static void pool_grow(int want) {
-    if (pool_size >= want)
-        return;
-    sigset_t all, old;
-    pthread_attr_t attr;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 1 << 20);
-    while (pool_size < want) {
-        pthread_t t;
-        if (pthread_create(&t, &attr, helper, NULL) != 0)
-            break; /* fewer helpers: the caller's thread still does every item left */
-        pool_size++;
-    }
-    pthread_attr_destroy(&attr);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-}
-
-static void pool_after_fork(void) {
-    pthread_mutex_init(&pool_mu, NULL);
-    pthread_cond_init(&pool_work, NULL);
-    pthread_cond_init(&pool_done, NULL);
-    pool_size = 0;
-    pool_queue = NULL;
-}
-
-/* Called with the GIL released. */
-static void run_batch(Batch *b, int threads) {
+/* Every item in turn on the caller's thread; called with the GIL released. */
+static void run_batch(Batch *b) {
     char *scratch = pthread_getspecific(caller_scratch);
-    b->helpers = (int)(threads - 1 < b->n - 1 ? threads - 1 : b->n - 1);
-    if (b->helpers > 0) {
-        pthread_mutex_lock(&pool_mu);
-        pool_grow(b->helpers);
-        b->queued = pool_queue;
-        pool_queue = b;
-        pthread_cond_broadcast(&pool_work);
-        pthread_mutex_unlock(&pool_mu);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        if (b->reads != NULL)
+            b->reads[i].result = read_one(&b->reads[i], b->opt.direct, b->opt.nowait, &scratch);
+        else
+            b->writes[i].result = write_one(&b->writes[i], &b->opt, &scratch);
     }
-    work(b, &scratch);
     pthread_setspecific(caller_scratch, scratch);
-    if (b->helpers > 0) {
-        pthread_mutex_lock(&pool_mu);
-        for (Batch **p = &pool_queue; *p != NULL; p = &(*p)->queued) {
-            if (*p == b) {
-                *p = b->queued;
-                break;
-            }
-        }
-        while (b->active > 0)
-            pthread_cond_wait(&pool_done, &pool_mu);
-        pthread_mutex_unlock(&pool_mu);
-    }
 }
 
 /* ---- arguments -------------------------------------------------------------------------------- */
@@ -675,29 +572,19 @@ static int held_alloc(Held *h, Py_ssize_t npaths, Py_ssize_t nviews) {
     return 0;
 }
 
-static int check_threads(int threads) {
-    if (threads < 1 || threads > MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "threads must be 1..%d, got %d", MAX_THREADS, threads);
-        return -1;
-    }
-    return 0;
-}
-
 /* ---- read_batch ------------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(read_batch_doc,
-"read_batch(paths, bufs, direct=False, nowait=False, threads=1) -> list[int]\n\n"
+"read_batch(paths, bufs, direct=False, nowait=False) -> list[int]\n\n"
 "Read each file into its buffers (a writable buffer, or a list of them filled in order); per item\n"
 "the bytes read (less than the buffers hold: the file ended) or -errno. See tierkv.records.batchio.");
 
 static PyObject *read_batch(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"paths", "bufs", "direct", "nowait", "threads", NULL};
+    static char *names[] = {"paths", "bufs", "direct", "nowait", NULL};
     PyObject *paths_obj, *bufs_obj;
-    int direct = 0, nowait = 0, threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|ppi:read_batch", names, &paths_obj, &bufs_obj, &direct,
-                                     &nowait, &threads))
-        return NULL;
-    if (check_threads(threads) != 0)
+    int direct = 0, nowait = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|pp:read_batch", names, &paths_obj, &bufs_obj, &direct,
+                                     &nowait))
         return NULL;
     PyObject *paths = PySequence_Tuple(paths_obj); /* copies: see held_parts */
     if (paths == NULL)
@@ -734,7 +621,7 @@ static PyObject *read_batch(PyObject *self, PyObject *args, PyObject *kw) {
     }
     Batch b = {.reads = jobs, .n = n, .opt = {.direct = direct, .nowait = nowait}};
     Py_BEGIN_ALLOW_THREADS
-    run_batch(&b, threads);
+    run_batch(&b);
     Py_END_ALLOW_THREADS
     if ((out = PyList_New(n)) == NULL)
         goto done;
@@ -757,20 +644,18 @@ done:
 /* ---- write_batch ------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(write_batch_doc,
-"write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None, threads=1)\n"
+"write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None)\n"
 "    -> (list[int], direct_writes, direct_refused)\n\n"
 "Publish each (final_path, tmp_path, buffers) atomically: write tmp_path, then rename it to\n"
 "final_path; per item the bytes written or -errno. See tierkv.records.batchio.");
 
 static PyObject *write_batch(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"items", "fsync", "mode", "direct", "direct_min", "dir_mode", "threads", NULL};
+    static char *names[] = {"items", "fsync", "mode", "direct", "direct_min", "dir_mode", NULL};
     PyObject *items_obj, *dir_mode_obj = Py_None;
-    int fsync_ = 0, direct = 0, threads = 1, mode = 0600;
+    int fsync_ = 0, direct = 0, mode = 0600;
     Py_ssize_t direct_min = 65536;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pipnOi:write_batch", names, &items_obj, &fsync_, &mode,
-                                     &direct, &direct_min, &dir_mode_obj, &threads))
-        return NULL;
-    if (check_threads(threads) != 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pipnO:write_batch", names, &items_obj, &fsync_, &mode,
+                                     &direct, &direct_min, &dir_mode_obj))
         return NULL;
     if (mode < 0 || mode > 07777) {
         PyErr_Format(PyExc_ValueError, "mode must be a permission mode, got %d", mode);
@@ -823,7 +708,7 @@ static PyObject *write_batch(PyObject *self, PyObject *args, PyObject *kw) {
                .opt = {.fsync = fsync_, .mode = (mode_t)mode, .dir_mode = (mode_t)dir_mode,
                        .direct = direct, .direct_min = direct_min}};
     Py_BEGIN_ALLOW_THREADS
-    run_batch(&b, threads);
+    run_batch(&b);
     Py_END_ALLOW_THREADS
     if ((sizes = PyList_New(n)) == NULL)
         goto done;
@@ -857,10 +742,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__batchio(void) {
-    static int forked = 0;
-    if (!forked) {
-        if (pthread_atfork(NULL, NULL, pool_after_fork) != 0)
-            return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
+    static int ready = 0;
+    if (!ready) {
         if (pthread_key_create(&caller_scratch, scratch_free) != 0)
             return PyErr_Format(PyExc_OSError, "pthread_key_create failed");
 #ifdef __NR_cachestat
@@ -868,13 +751,12 @@ PyMODINIT_FUNC PyInit__batchio(void) {
         struct cs_stat s;
         has_cachestat = syscall(__NR_cachestat, -1, &r, &s, 0) != 0 && errno == EBADF;
 #endif
-        forked = 1;
+        ready = 1;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "ALIGN", ALIGN) != 0 || PyModule_AddIntConstant(m, "CHUNK_BYTES", CHUNK) != 0
-        || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) != 0
         || PyModule_AddIntConstant(m, "CACHESTAT", has_cachestat) != 0) {
         Py_DECREF(m);
         return NULL;

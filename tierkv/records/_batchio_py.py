@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import itertools
 import mmap
 import os
 import stat
@@ -22,11 +21,10 @@ from typing import Any
 
 from tierkv.records import directio
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "MAX_THREADS", "make_dirs", "read_batch", "write_batch"]
+__all__ = ["ALIGN", "CHUNK_BYTES", "make_dirs", "read_batch", "write_batch"]
 
 ALIGN = directio.ALIGN
 CHUNK_BYTES = directio.CHUNK_BYTES
-MAX_THREADS = 256
 _MAX_PARTS = 1024
 _O_DIRECT = directio.O_DIRECT
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
@@ -242,15 +240,14 @@ def _read_one(path: str | bytes, views: list[memoryview], direct: bool, nowait: 
 
 
 def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Buffers], direct: bool = False,
-               nowait: bool = False, threads: int = 1) -> list[int]:
+               nowait: bool = False) -> list[int]:
     """See :func:`tierkv.records.batchio.read_batch`."""
-    _check_threads(threads)
     paths, bufs = list(paths), list(bufs)  # copies: __fspath__ may change the caller's lists
     if len(paths) != len(bufs):
         raise ValueError(f"{len(paths)} paths but {len(bufs)} buffers")
     encoded = [os.fsencode(p) for p in paths]
     views = [_views(b, True, i) for i, b in enumerate(bufs)]
-    return _run(len(encoded), threads, lambda i: _read_one(encoded[i], views[i], direct, nowait))
+    return _run(len(encoded), lambda i: _read_one(encoded[i], views[i], direct, nowait))
 
 
 # ---- writes -----------------------------------------------------------------------------------------
@@ -328,10 +325,9 @@ def _write_one(final: bytes, tmp: bytes, views: list[memoryview], fsync: bool, m
 
 
 def write_batch(items: Sequence[tuple[Any, Any, Buffers]], fsync: bool = False, mode: int = 0o600,
-                direct: bool = False, direct_min: int = 65536, dir_mode: int | None = None,
-                threads: int = 1) -> tuple[list[int], int, int]:
+                direct: bool = False, direct_min: int = 65536,
+                dir_mode: int | None = None) -> tuple[list[int], int, int]:
     """See :func:`tierkv.records.batchio.write_batch`."""
-    _check_threads(threads)
     if not 0 <= mode <= 0o7777:
         raise ValueError(f"mode must be a permission mode, got {mode}")
     dmode = mode | ((mode & 0o444) >> 2) if dir_mode is None else dir_mode
@@ -343,57 +339,48 @@ def write_batch(items: Sequence[tuple[Any, Any, Buffers]], fsync: bool = False, 
             raise TypeError(f"item {i} must be a tuple (final_path, tmp_path, buffers)")
         jobs.append((os.fsencode(it[0]), os.fsencode(it[1]), _views(it[2], False, i)))
     flags = [[0, 0] for _ in jobs]
-    sizes = _run(len(jobs), threads, lambda i: _write_one(*jobs[i], fsync, mode, direct, direct_min, dmode,
+    sizes = _run(len(jobs), lambda i: _write_one(*jobs[i], fsync, mode, direct, direct_min, dmode,
                                                           flags[i]))
     return sizes, sum(f[0] for f in flags), sum(f[1] for f in flags)
 
 
-# ---- threads ----------------------------------------------------------------------------------------
-def _check_threads(threads: int) -> None:
-    if not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"threads must be 1..{MAX_THREADS}, got {threads}")
+# ---- a batch -----------------------------------------------------------------------------------------
+def _run(n: int, one: Callable[[int], int]) -> list[int]:
+    """``one(i)`` for every item, in turn. On the main thread the items run in a thread of their
+    own that the caller waits for: an interrupt reaches the caller, never an item half done (a
+    temporary file is always removed or renamed), and stops items from starting while the one
+    started ends.
 
-
-def _run(n: int, threads: int, one: Callable[[int], int]) -> list[int]:
-    """``one(i)`` for every item, on up to ``threads`` threads of its own: an interrupt reaches the
-    caller's thread, never one in the middle of an item (a temporary file is always removed or
-    renamed), and stops items from starting while those started end.
-
-    The caller waits on each thread's own event, not ``Thread.join``: a join interrupted by Ctrl-C
+    The caller waits on the thread's own event, not ``Thread.join``: a join interrupted by Ctrl-C
     can mark a thread that is still running as ended (Python before 3.13), and the batch then
     returned while an item was still writing its temporary file.
     """
-    if threads == 1 and threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return [one(i) for i in range(n)]  # a worker thread: no interrupt lands here
     results = [0] * n
-    taken = itertools.count()  # next() on a count is atomic under the GIL
     stop = [False]
     failed: list[BaseException] = []
+    done = threading.Event()
 
-    def work(done: threading.Event) -> None:
+    def work() -> None:
         try:
-            for i in taken:
-                if i >= n or stop[0]:
+            for i in range(n):
+                if stop[0]:
                     return
                 results[i] = one(i)
         except BaseException as exc:  # handed to the caller
-            stop[0] = True
             failed.append(exc)
         finally:
             done.set()
 
-    ends = [threading.Event() for _ in range(min(threads, n))]
-    helpers = [threading.Thread(target=work, args=(e,), daemon=True) for e in ends]
+    worker = threading.Thread(target=work, daemon=True)
     try:
-        for t in helpers:
-            t.start()
-        for e in ends:
-            e.wait()
-    except BaseException:  # an interrupt (it may land while a thread starts): wait for those running
-        stop[0] = True  # a thread not yet in its loop takes no item
-        for t, e in zip(helpers, ends, strict=True):
-            if t.ident is not None:
-                e.wait()
+        worker.start()
+        done.wait()
+    except BaseException:  # an interrupt (it may land while the thread starts): wait for its item
+        stop[0] = True
+        if worker.ident is not None:
+            done.wait()
         raise
     if failed:
         raise failed[0]

@@ -3,13 +3,13 @@ caller's buffers in one call.
 
 Two implementations with one API and the same results: the C module ``tierkv.records._batchio`` (built by
 pip from tierkv/records/_batchio.c with the system C compiler; it makes the system calls of a whole batch
-with the GIL released, on the caller's thread and up to ``threads - 1`` threads of its own) and
+with the GIL released, on the caller's thread: the tier's own I/O threads each call it) and
 the pure-Python :mod:`tierkv.records._batchio_py`, used where the C module could not be built or
 when the environment sets ``TIERKV_NATIVE=0``. :func:`active` says which one this process uses.
 
 Per item, a result is a byte count (>= 0) or ``-errno``:
 
-``read_batch(paths, bufs, direct=False, nowait=False, threads=1)``
+``read_batch(paths, bufs, direct=False, nowait=False)``
     Each path is opened read-only, never following a symlink (``-ELOOP``) and without blocking on
     a FIFO; anything but a regular file is ``-ESPIPE``; a missing file ``-ENOENT``. Its bytes fill
     the item's buffers (one writable buffer, or a list of them filled in order, as a scatter read
@@ -22,7 +22,7 @@ Per item, a result is a byte count (>= 0) or ``-errno``:
     length; ``nowait`` does not apply), buffered where the file system refuses it. A read-only
     buffer is a ``TypeError`` before anything is read.
 
-``write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None, threads=1)``
+``write_batch(items, fsync=False, mode=0o600, direct=False, direct_min=65536, dir_mode=None)``
     Each item ``(final_path, tmp_path, buffers)`` is published atomically, as the local tier's
     Python path does: the buffers are written to the new file ``tmp_path`` (``O_EXCL``, ``mode``,
     widened with ``fchmod`` past the umask when not 0o600; ``None`` here: a :func:`temp_name`
@@ -106,20 +106,20 @@ def implementation(name: str | None = None) -> ModuleType:
     raise ValueError(f"unknown batch I/O implementation {name!r}: native or python")
 
 
-def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Any], direct: bool = False, nowait: bool = False,
-               threads: int = 1) -> list[int]:
+def read_batch(paths: Sequence[str | bytes], bufs: Sequence[Any], direct: bool = False,
+               nowait: bool = False) -> list[int]:
     """Read each file into its buffers; per item the bytes read or ``-errno`` (module docstring)."""
-    result: list[int] = _chosen().read_batch(paths, bufs, direct, nowait, threads)
+    result: list[int] = _chosen().read_batch(paths, bufs, direct, nowait)
     return result
 
 
 def write_batch(items: Sequence[tuple[str | bytes, str | bytes | None, Any]], fsync: bool = False,
-                mode: int = 0o600, direct: bool = False, direct_min: int = 65536, dir_mode: int | None = None,
-                threads: int = 1) -> tuple[list[int], int, int]:
+                mode: int = 0o600, direct: bool = False, direct_min: int = 65536,
+                dir_mode: int | None = None) -> tuple[list[int], int, int]:
     """Publish each ``(final_path, tmp_path, buffers)`` atomically; per item the bytes written or
     ``-errno``, and the counts of records written with ``O_DIRECT`` and refused it (module docstring)."""
     full = [(it[0], temp_name(os.fsdecode(it[0])), it[2]) if isinstance(it, tuple) and len(it) == 3
             and it[1] is None else it for it in items]
     result: tuple[list[int], int, int] = _chosen().write_batch(full, fsync, mode, direct, direct_min,
-                                                               dir_mode, threads)
+                                                               dir_mode)
     return result

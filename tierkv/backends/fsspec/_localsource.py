@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import time
 from typing import Any
 
@@ -24,7 +23,6 @@ __all__ = ["NOWAIT_REFUSED", "RWF_NOWAIT", "LocalSource", "may_be_cached", "prob
 RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 #: what a file system that cannot read "only from the page cache" answers ``RWF_NOWAIT`` with
 NOWAIT_REFUSED = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 #: errors that mean "not a regular file" once a path opened (a FIFO, a directory, a device)
@@ -41,21 +39,6 @@ def _special(exc: OSError, path: str) -> OSError:
     if exc.errno in _NOT_REGULAR:
         return SpecialFile(exc.errno, "not a regular file where a record should be", path)
     return exc
-
-
-def _open_record(path: str) -> int | None:
-    """A read-only descriptor of ``path``; None when absent.
-
-    ``O_NONBLOCK`` makes a FIFO or a device open (and read) at once instead of blocking, and a
-    symlink is never followed: anything but a regular file ends in :class:`SpecialFile`, here or
-    at the first read.
-    """
-    try:
-        return os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise _special(exc, path) from None
 
 
 def probe_nowait(directory: str) -> bool | None:
@@ -85,7 +68,9 @@ def probe_nowait(directory: str) -> bool | None:
 
 
 class LocalSource:
-    """A record in a local (or mounted) file.
+    """A record in a local (or mounted) file, read by the batch reader of :mod:`tierkv.records.batchio`
+    (the C module, or its Python twin where it is not built): opened without following a symlink,
+    refused unless a regular file, one scatter read.
 
     With ``nowait``, reads take only what the page cache holds and raise :class:`WouldBlock`
     when the device would have to be waited for (the driver then retries on a thread that may
@@ -98,59 +83,22 @@ class LocalSource:
         self.path = path
         self.nowait = nowait and RWF_NOWAIT is not None
 
-    def _read(self, fd: int, bufs: list[Any]) -> int:
-        try:
-            if not self.nowait:
-                return os.readv(fd, bufs)
-            if page_cached(fd, os.fstat(fd).st_size) is False:
-                raise WouldBlock
-            try:
-                got = os.preadv(fd, bufs, 0, RWF_NOWAIT)  # type: ignore[arg-type]
-            except BlockingIOError:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise WouldBlock from None
-                raise
-            except OSError as exc:
-                if exc.errno in NOWAIT_REFUSED and stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise NoWaitUnsupported(exc.errno) from None
-                raise
-            if got % _PAGE == 0 and got < sum(memoryview(b).nbytes for b in bufs):
-                # short at a page boundary: the file ends here, or the page cache holds no more
-                # of it (a read that stops inside a page stopped at the end of the file: pages
-                # are cached whole)
-                try:
-                    if os.preadv(fd, [bytearray(1)], got, RWF_NOWAIT):  # type: ignore[arg-type]
-                        raise WouldBlock
-                except BlockingIOError:
-                    raise WouldBlock from None
-            return got
-        except OSError as exc:
-            raise _special(exc, self.path) from None
-
     def readinto(self, bufs: list[Any]) -> int | None:
-        """One read into ``bufs``. Regular files read short only at their end, so a result equal
-        to the total length of ``bufs`` means the file is at least that long."""
-        c = batchio.native()
-        if c is not None:  # open, read and close in one call of the C module, the GIL released
-            got: int = c.read_batch([self.path], [bufs], False, self.nowait, 1)[0]
-            if got >= 0:
-                return got
-            self._failed(-got)
-            return None
-        try:
-            fd = os.open(self.path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise _special(exc, self.path) from None
-        try:
-            return self._read(fd, bufs)
-        finally:
-            os.close(fd)
+        """One read into ``bufs``, the GIL released for the whole of it. Regular files read short
+        only at their end, so a result equal to the total length of ``bufs`` means the file is at
+        least that long."""
+        return self._read(bufs)
+
+    def _read(self, bufs: list[Any]) -> int | None:
+        got: int = batchio.read_batch([self.path], [bufs], False, self.nowait)[0]
+        if got >= 0:
+            return got
+        self._failed(-got)
+        return None
 
     def _failed(self, err: int) -> None:
-        """Raise the C module's ``-errno`` of a read as the Python path does (an absent file, ENOENT,
-        raises nothing: the read's result is None)."""
+        """Raise a read's ``-errno`` as the driver expects (an absent file, ENOENT, raises
+        nothing: the read's result is None)."""
         if err == errno.ENOENT:
             return
         if self.nowait and err == errno.EAGAIN:
@@ -161,21 +109,8 @@ class LocalSource:
 
     def read_all(self, buf: memoryview) -> memoryview | None:
         """The record's bytes (at most ``len(buf)``), read into ``buf``; None when absent."""
-        fd = _open_record(self.path)
-        if fd is None:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SpecialFile(errno.EINVAL, "not a regular file where a record should be", self.path)
-            got = self._read(fd, [buf])
-            while not self.nowait and 0 < got < len(buf):  # regular files read short only at
-                more = os.readv(fd, [buf[got:]])            # the end, but be sure
-                if not more:
-                    break
-                got += more
-            return buf[:got]
-        finally:
-            os.close(fd)
+        got = self._read([buf])
+        return None if got is None else buf[:got]
 
 
 def may_be_cached(path: str) -> bool:
