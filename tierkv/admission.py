@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import anyio
 
+from tierkv.costmodel import RestoreRun
 from tierkv.errors import InvalidArgument
 from tierkv.pool import SlotPool
 
@@ -74,6 +75,9 @@ class Request:
     waiting: int = 0
     memo: PrefixMemo = field(default_factory=PrefixMemo)
     pending: PendingClock = field(default_factory=PendingClock)
+    #: group -> its run of lower-tier blocks the cost model weighs as one (engines that look keys
+    #: up one at a time: :class:`~tierkv.costmodel.RestoreRun`)
+    runs: dict[int, RestoreRun] = field(default_factory=dict)
 
     @property
     def named(self) -> bool:
