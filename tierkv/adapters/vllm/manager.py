@@ -118,15 +118,15 @@ def _is_local(tier: dict[str, Any]) -> bool:
 class RateMeter:
     """The engine's prefill rate (tokens/s), timed while the engine computes.
 
-    A request's prefill is scheduled in the scheduler pass of its last lookup, and the blocks it
-    computed come to ``prepare_store`` at the start of the next step: the time between is the
-    engine computing them (with whatever else those steps ran). Blocks are counted over the union
+    vLLM prepares a request's stores in the scheduler pass that schedules the tokens they hold
+    (before the step computes them) and completes them once the step has computed and copied
+    them: the time between is the engine computing them (with whatever else the step ran). The
+    first store prepared after a request's lookup (the pass that scheduled its prefill) is timed;
+    later ones are decode blocks or later chunks, not counted. Blocks are counted over the union
     of these intervals, in windows of at least ``window_s`` of it: requests computed side by side
     in one step add blocks, not time, and time the engine spends idle between requests adds
     nothing. (Blocks stored per second of any activity measured the offered load below
-    saturation, 5-10x low: docs/performance.md, "Serving a Mooncake trace".) Only a request's
-    first store after a lookup counts: later ones are decode blocks or later chunks, computed in
-    steps no lookup marked the start of.
+    saturation, 5-10x low: docs/performance.md, "Serving a Mooncake trace".)
     """
 
     def __init__(self, tokens_per_block: int, alpha: float = 0.2, window_s: float = 0.25) -> None:
@@ -134,24 +134,33 @@ class RateMeter:
         self.alpha = alpha
         self.window_s = window_s
         self.rate: float | None = None
-        #: request id -> when it was last looked up (its prefill is scheduled then)
-        self._looked: dict[str, float] = {}
+        #: requests looked up since their last timed store
+        self._looked: set[str] = set()
+        #: request id -> when its timed store was prepared
+        self._open: dict[str, float] = {}
         self._busy_until = -float("inf")
         self._busy = 0.0
         self._blocks = 0
         self._samples = 0
 
-    def looked_up(self, req_id: str, now: float) -> None:
+    def looked_up(self, req_id: str) -> None:
         """The scheduler looked ``req_id`` up: its prefill may be scheduled in this pass."""
-        self._looked[req_id] = now
+        self._looked.add(req_id)
+
+    def preparing(self, req_id: str, now: float) -> None:
+        """The scheduler prepares a store of ``req_id``'s blocks that this step computes."""
+        if req_id in self._looked:
+            self._looked.discard(req_id)
+            self._open[req_id] = now
 
     def finished(self, req_id: str) -> None:
-        """Forget a request (one that never stored, say)."""
-        self._looked.pop(req_id, None)
+        """Forget a request."""
+        self._looked.discard(req_id)
+        self._open.pop(req_id, None)
 
     def stored(self, req_id: str, blocks: int, now: float | None = None) -> float | None:
-        """``req_id`` stores ``blocks`` blocks it computed; the rate once two windows are in."""
-        start = self._looked.pop(req_id, None)
+        """``req_id``'s store of ``blocks`` blocks completed; the rate once two windows are in."""
+        start = self._open.pop(req_id, None)
         if start is not None and blocks > 0:
             now = time.monotonic() if now is None else now
             self._busy += max(0.0, now - max(start, self._busy_until))
@@ -227,7 +236,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if group is None or len(key) <= GROUP_BYTES:
             return LookupResult.MISS
         if self._rate is not None:
-            self._rate.looked_up(req_context.req_id, time.monotonic())
+            self._rate.looked_up(req_context.req_id)
         return _RESULT[self.engine.key_state(group, key, req_context.req_id)]
 
     def _by_tail(self, keys: Collection[OffloadKey]) -> list[tuple[int, list[bytes]]]:
@@ -274,9 +283,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve slots for keys not held yet (evicting); None when the pool cannot make room."""
         if self._rate is not None:
-            rate = self._rate.stored(req_context.req_id, len(keys) // max(1, len(self._cacheable)))
-            if rate is not None and rate >= 1e-3:
-                self.store.set_recompute_rate(rate)
+            self._rate.preparing(req_context.req_id, time.monotonic())
         reserved: list[tuple[int, list[bytes]]] = []
         to_store: list[bytes] = []
         groups: list[int] = []
@@ -302,6 +309,13 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
+        if self._rate is not None:
+            if success:
+                rate = self._rate.stored(req_context.req_id, len(keys) // max(1, len(self._cacheable)))
+                if rate is not None and rate >= 1e-3:
+                    self.store.set_recompute_rate(rate)
+            else:
+                self._rate.finished(req_context.req_id)
         for g, gkeys in self._by_tail(keys):
             self.engine.commit(g, gkeys, success=success)
             if success and self._events_on:
