@@ -130,6 +130,47 @@ async def test_a_throttled_tier_is_learnt_from_its_loads_and_then_recomputed(tmp
         assert store.stats().tiers[1].promotions == 8
 
 
+async def test_a_run_of_blocks_too_short_to_pay_for_the_restore_wait_is_recomputed() -> None:
+    """An engine that looks keys up one at a time (vLLM): a restore from a lower tier waits a fixed
+    time whatever its size (promotion, engine steps: measured, 45 ms here); recomputing a block
+    takes 10 ms (16 tokens at 1,600 tokens/s), reading it next to nothing. A request whose run of
+    blocks on the tier is 2 long is declined as a whole (asked again, its first block is a MISS);
+    one whose run is 8 long restores it, from the 5th block on (5 x 10 ms pays for the wait) and
+    the 4 counted before it; its wait, once READY, is measured for the next requests."""
+    memory = {"kind": "memory", "read_bytes_per_s": 1e10}
+    tail = (0).to_bytes(4, "big")
+    async with TieredStore(cfg([memory], recompute_tokens_per_s=1600.0)) as store:
+        hs = hashes(10)
+        await store.put(0, hs, blocks(10, BB))
+        await store.flush()
+        store.engine.clear()
+        store._cost.observe_fixed(0, 0.045)  # the first lower tier
+        keys = [h + tail for h in hs]
+        Q, P, M, R = KeyState.QUEUED, KeyState.PROMOTING, KeyState.MISS, KeyState.READY
+
+        def scan(rid: str, ks: list[bytes]) -> list[KeyState]:
+            out = []
+            for k in ks:
+                out.append(store.engine.key_state(0, k, rid))
+                if out[-1] is M:
+                    break
+            return out
+
+        short = [*keys[:2], hashes(1, doc=5)[0] + tail]  # the third block is nowhere
+        assert scan("a", short) == [Q, Q, M]
+        assert scan("a", short) == [M]
+        assert store.stats().cost.blocks_recomputed == 2
+        assert scan("b", keys[2:]) == [Q] * 4 + [P] * 4
+        with anyio.fail_after(10):
+            while (got := scan("b", keys[2:])) != [R] * 8:
+                assert R not in got or got.index(P) > got.index(R), got
+                await anyio.sleep(0.005)
+        assert store.stats().tiers[1].promotions == 8
+        assert store._cost.fixed_s(0) != 0.045  # the wait measured: the median of two now
+        store.release("a")
+        store.release("b")
+
+
 async def test_the_read_cap_holds_across_concurrent_loads(tmp_path: Path) -> None:
     hs, data = hashes(4), blocks(4, BB)
     await write_to_disk(tmp_path, hs, data)

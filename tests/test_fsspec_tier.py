@@ -725,6 +725,45 @@ async def test_a_listing_tells_the_gateway_what_is_present_and_a_removal_unsays_
         await tier.close()
 
 
+async def test_a_sole_writer_answers_absence_from_its_ledger_without_a_probe(tmp_path: Path) -> None:
+    """``sole_writer``: once its listing is done a record the ledger does not know is absent, said
+    from memory (no probe, no PENDING round trip: docs/performance.md, "Serving a Mooncake trace");
+    before the listing it probes. ``listing_trusted_s``: the same within that time of a listing
+    (a record another process wrote since is a missed hit), then it probes again. Default: probe."""
+    ks = keys(6, salt=29)
+    for n, (kw, after_listing) in enumerate([({}, [None] * 4), ({"sole_writer": True}, [False] * 4),
+                                             ({"listing_trusted_s": 0.3}, [False] * 4)]):
+        url = f"file://{tmp_path}/{n}"
+        writer = make_tier(url)
+        await writer.open()
+        await writer.put(FULL, ks[:2], rand_blocks(2, BB))
+        await writer.close()
+        tier = make_tier(url, **kw)
+        gw = TierGateway(1, tier)
+        await tier.open()
+        try:
+            assert gw.presence_many(FULL, ks[2:], time.monotonic()) == [None] * 4  # not listed yet
+            await tier.scan()
+            assert gw.presence_many(FULL, ks, time.monotonic()) == [True] * 2 + after_listing, kw
+            assert gw.presence(FULL, ks[5], time.monotonic()) is after_listing[-1]
+            await tier.put(FULL, ks[2:3], rand_blocks(1, BB))  # its own writes: in its ledger
+            own = after_listing[:2] if not kw else [True, False]
+            assert gw.presence_many(FULL, ks[2:4], time.monotonic()) == own
+            if "listing_trusted_s" in kw:
+                other = make_tier(url)
+                await other.open()
+                await other.put(FULL, ks[4:5], rand_blocks(1, BB))
+                await other.close()
+                assert gw.presence(FULL, ks[4], time.monotonic()) is False  # a missed hit, for now
+                await anyio.sleep(0.35)
+                assert gw.presence(FULL, ks[4], time.monotonic()) is None  # probed again
+                await tier.scan()
+                assert gw.presence(FULL, ks[4], time.monotonic()) is True
+            assert gw.stats.probes == 0
+        finally:
+            await tier.close()
+
+
 async def test_probes_of_records_it_knows_need_no_storage_round_trip(tmp_path: Path) -> None:
     """A new process restoring a prefix probes records its start-up listing already found: answered
     from memory (no per-file check on storage); unknown ones are still looked for; one removed

@@ -21,12 +21,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
 from tierkv.blocks.pool import SlotPool
 from tierkv.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from tierkv.movement.costmodel import RestoreRun
 
 __all__ = ["Admission", "PendingClock", "PrefixMemo", "Promotion", "Request", "Want"]
 
@@ -74,6 +77,9 @@ class Request:
     waiting: int = 0
     memo: PrefixMemo = field(default_factory=PrefixMemo)
     pending: PendingClock = field(default_factory=PendingClock)
+    #: group -> its run of lower-tier blocks the cost model weighs as one (engines that look keys
+    #: up one at a time: :class:`~tierkv.movement.costmodel.RestoreRun`)
+    runs: dict[int, RestoreRun] = field(default_factory=dict)
 
     @property
     def named(self) -> bool:

@@ -105,6 +105,8 @@ class EngineSlots:
         s = pool.index.get(key)
         if s is not None and pool.state[s] is SlotState.READY:
             self._admission.pin(req, group, key, s)
+            if req.runs:
+                self._resolver.restored(req, group, key)
             return KeyState.READY
         if req.pending.gave_up:
             return KeyState.MISS

@@ -263,10 +263,11 @@ class TierGateway:
         if entry is not None and entry[1] < now:
             del self._presence[key]
             entry = None
-        if self.fast and (entry is None or entry[0]):
+        if entry is None or (self.fast and entry[0]):
+            # a tier that is not fast may still know from memory (a file tier's complete ledger)
             ans = self.tier.contains_nowait(group, [key])
             return None if ans is None else ans[0]
-        return None if entry is None else entry[0]
+        return entry[0]
 
     def presence_many(self, group: int, keys: list[bytes], now: float) -> list[bool | None]:
         """:meth:`presence` of many keys."""
@@ -284,15 +285,24 @@ class TierGateway:
                 else:
                     out.append(None if ans is None else ans[j])
             return out
+        unknown: list[int] = []
         for k in keys:
             e = get(k)
             if e is None:
+                unknown.append(len(out))
                 out.append(None)
             elif e[1] < now:
                 del cache[k]
+                unknown.append(len(out))
                 out.append(None)
             else:
                 out.append(e[0])
+        if unknown:
+            # a tier that is not fast may still know from memory (a file tier's complete ledger)
+            ans = self.tier.contains_nowait(group, [keys[i] for i in unknown])
+            if ans is not None:
+                for i, a in zip(unknown, ans, strict=True):
+                    out[i] = a
         return out
 
     def note(self, key: bytes, present: bool, now: float | None = None) -> None:

@@ -19,7 +19,7 @@ from tierkv.blocks.pool import SlotState
 from tierkv.blocks.prefix import needed_blocks
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
-from tierkv.movement.costmodel import CostModel
+from tierkv.movement.costmodel import CostModel, RestoreRun
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.promotion import Promoter
 from tierkv.observing.metrics import Histogram
@@ -156,10 +156,19 @@ class Resolver:
                 admission.pin(req, group, k, s)
                 continue
             st = self.locate(group, k, now, work)
-            if _TIER <= st < _MAYBE and weigh and not self.cost.worth_loading(
-                    block_bytes, self.gateways[st - _TIER].planning_rate(time.monotonic())):
-                out.append(KeyState.MISS)  # recomputing it is faster
-            elif _TIER <= st < _MAYBE:
+            if _TIER <= st < _MAYBE:
+                verdict = self._weigh_run(req, group, k, st - _TIER, block_bytes, now) if weigh else True
+                if verdict is None:
+                    out.append(KeyState.QUEUED)  # its run is being counted: asked again later
+                    continue
+                if verdict is False:
+                    out.append(KeyState.MISS)  # recomputing it is faster
+                    continue
+                if verdict is not True:  # the run was just decided: its earlier blocks too
+                    for ek, et in verdict:
+                        if ek not in pool.index:
+                            promos.append((ek, et))
+                            promo_pos.append(-1)
                 out.append(KeyState.PROMOTING)
                 promos.append((k, st - _TIER))
                 promo_pos.append(i)
@@ -168,17 +177,62 @@ class Resolver:
         if promos:
             room = max(0, pool.num_slots - admission.pinned_in(req, group))
             for i in promo_pos[room:]:
-                out[i] = KeyState.MISS
+                if i >= 0:
+                    out[i] = KeyState.MISS
             if room:
                 started = admission.admit(req, {group: promos[:room]})
                 if started is None:
                     late = KeyState.MISS if admission.mode == "naive" else KeyState.QUEUED
                     for i in promo_pos[:room]:
-                        out[i] = late
+                        if i >= 0:
+                            out[i] = late
                 else:
                     work.promotions += started
         self.promoter.start(work.promotions, work.probes)
         return out
+
+    def _weigh_run(self, req: Request, group: int, key: bytes, tier: int, block_bytes: int,
+                   now: float) -> bool | list[tuple[bytes, int]] | None:
+        """The cost model's answer for a block on lower tier ``tier`` of the request's run of such
+        blocks (:class:`~tierkv.movement.costmodel.RestoreRun`): False: recompute it; True: load it; None:
+        not decided yet (the run is counted on); a list: just decided to load the run, these are
+        its blocks asked before this one."""
+        cost = self.cost
+        run = req.runs.get(group)
+        if run is None:
+            run = req.runs[group] = RestoreRun()
+        gw = self.gateways[tier]
+        rate = gw.planning_rate(now)
+        if run.verdict is not None:
+            worth = run.verdict and cost.worth_loading(block_bytes, rate)
+            if worth and run.started is not None and key not in run.keys:
+                # promoted with the run: its wait ends once this block is READY too
+                run.keys[key] = tier
+                run.last = key
+                run.read_s += block_bytes / max(rate, 1.0)
+            return worth
+        again = key in run.keys  # the engine's scan of the request restarted: the run is complete
+        if not again:
+            run.keys[key] = tier
+        n = len(run.keys)
+        fixed = max(cost.fixed_s(t) for t in set(run.keys.values()))
+        verdict = cost.run_verdict(n, block_bytes, rate, fixed, again)
+        if verdict is None:
+            return None
+        run.verdict = verdict
+        if not verdict:
+            return False
+        run.started, run.tier, run.last = now, tier, next(reversed(run.keys))
+        run.read_s = n * block_bytes / max(rate, 1.0)
+        return [(k, t) for k, t in run.keys.items() if k != key]
+
+    def restored(self, req: Request, group: int, key: bytes) -> None:
+        """``key`` was answered READY for ``req``: when it ends the wait of the request's run, the
+        wait beyond the run's read time is its tier's fixed restore cost."""
+        run = req.runs.get(group)
+        if run is not None and run.started is not None and key == run.last:
+            self.cost.observe_fixed(run.tier, time.monotonic() - run.started - run.read_s)
+            run.started = None
 
     # ---- prefixes -------------------------------------------------------------------------------
     def _version(self) -> int:
@@ -443,7 +497,9 @@ class Resolver:
             return usable
 
         def queue(k: int) -> float:
-            return sum(gws[p].load_backlog_bytes / rate[p] for p, first in first_use.items() if first <= k)
+            # the loads queued ahead on each tier used, and its fixed wait, once per request
+            return sum(gws[p].load_backlog_bytes / rate[p] + self.cost.fixed_s(p)
+                       for p, first in first_use.items() if first <= k)
 
         return self.cost.choose(usable, full, other, queue).blocks
 

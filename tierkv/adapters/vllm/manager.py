@@ -116,41 +116,61 @@ def _is_local(tier: dict[str, Any]) -> bool:
 
 
 class RateMeter:
-    """The engine's prefill rate, from the blocks it stores as it computes them (tokens/s).
+    """The engine's prefill rate (tokens/s), timed while the engine computes.
 
-    vLLM stores each block once computed, so while the engine is busy the stores arrive at its
-    compute rate. vLLM reports several store jobs back to back in one step, so one call's time
-    since the last says nothing: blocks are counted over windows of at least ``window_s`` of busy
-    time (a burst adds blocks, not rate), and a gap longer than ``idle_s`` (an idle engine) starts
-    a new busy period whose first blocks were computed before it began (they are not counted).
+    vLLM prepares a request's stores in the scheduler pass that schedules the tokens they hold
+    (before the step computes them) and completes them once the step has computed and copied
+    them: the time between is the engine computing them (with whatever else the step ran). The
+    first store prepared after a request's lookup (the pass that scheduled its prefill) is timed;
+    later ones are decode blocks or later chunks, not counted. Blocks are counted over the union
+    of these intervals, in windows of at least ``window_s`` of it: requests computed side by side
+    in one step add blocks, not time, and time the engine spends idle between requests adds
+    nothing. (Blocks stored per second of any activity measured the offered load below
+    saturation, 5-10x low: docs/performance.md, "Serving a Mooncake trace".)
     """
 
-    def __init__(self, tokens_per_block: int, idle_s: float = 1.0, alpha: float = 0.2,
-                 window_s: float = 0.25) -> None:
+    def __init__(self, tokens_per_block: int, alpha: float = 0.2, window_s: float = 0.25) -> None:
         self.tokens_per_block = tokens_per_block
-        self.idle_s = idle_s
         self.alpha = alpha
         self.window_s = window_s
         self.rate: float | None = None
-        self._last = -float("inf")
-        self._start = 0.0
+        #: requests looked up since their last timed store
+        self._looked: set[str] = set()
+        #: request id -> when its timed store was prepared
+        self._open: dict[str, float] = {}
+        self._busy_until = -float("inf")
+        self._busy = 0.0
         self._blocks = 0
         self._samples = 0
 
-    def stored(self, blocks: int, now: float | None = None) -> float | None:
-        """``blocks`` more blocks were computed; the rate once two windows are in, else None."""
-        now = time.monotonic() if now is None else now
-        if now - self._last > self.idle_s:  # a new busy period: its blocks so far predate it
-            self._start, self._blocks = now, 0
-        elif blocks > 0:
+    def looked_up(self, req_id: str) -> None:
+        """The scheduler looked ``req_id`` up: its prefill may be scheduled in this pass."""
+        self._looked.add(req_id)
+
+    def preparing(self, req_id: str, now: float) -> None:
+        """The scheduler prepares a store of ``req_id``'s blocks that this step computes."""
+        if req_id in self._looked:
+            self._looked.discard(req_id)
+            self._open[req_id] = now
+
+    def finished(self, req_id: str) -> None:
+        """Forget a request."""
+        self._looked.discard(req_id)
+        self._open.pop(req_id, None)
+
+    def stored(self, req_id: str, blocks: int, now: float | None = None) -> float | None:
+        """``req_id``'s store of ``blocks`` blocks completed; the rate once two windows are in."""
+        start = self._open.pop(req_id, None)
+        if start is not None and blocks > 0:
+            now = time.monotonic() if now is None else now
+            self._busy += max(0.0, now - max(start, self._busy_until))
+            self._busy_until = max(self._busy_until, now)
             self._blocks += blocks
-        self._last = now
-        span = now - self._start
-        if span >= self.window_s and self._blocks:
-            sample = min(self._blocks * self.tokens_per_block / span, MAX_RATE_TOKENS_S)
-            self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)
-            self._samples += 1
-            self._start, self._blocks = now, 0
+            if self._busy >= self.window_s:
+                sample = min(self._blocks * self.tokens_per_block / self._busy, MAX_RATE_TOKENS_S)
+                self.rate = sample if self.rate is None else self.rate + self.alpha * (sample - self.rate)
+                self._samples += 1
+                self._busy, self._blocks = 0.0, 0
         return self.rate if self._samples >= 2 else None
 
 
@@ -215,6 +235,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         group = self._tails.get(key[-GROUP_BYTES:])
         if group is None or len(key) <= GROUP_BYTES:
             return LookupResult.MISS
+        if self._rate is not None:
+            self._rate.looked_up(req_context.req_id)
         return _RESULT[self.engine.key_state(group, key, req_context.req_id)]
 
     def _by_tail(self, keys: Collection[OffloadKey]) -> list[tuple[int, list[bytes]]]:
@@ -260,6 +282,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve slots for keys not held yet (evicting); None when the pool cannot make room."""
+        if self._rate is not None:
+            self._rate.preparing(req_context.req_id, time.monotonic())
         reserved: list[tuple[int, list[bytes]]] = []
         to_store: list[bytes] = []
         groups: list[int] = []
@@ -285,10 +309,13 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Stored blocks become visible and cascade down; failed ones are freed and never seen."""
-        if success and self._rate is not None:
-            rate = self._rate.stored(len(keys) // max(1, len(self._cacheable)))
-            if rate is not None and rate >= 1e-3:
-                self.store.set_recompute_rate(rate)
+        if self._rate is not None:
+            if success:
+                rate = self._rate.stored(req_context.req_id, len(keys) // max(1, len(self._cacheable)))
+                if rate is not None and rate >= 1e-3:
+                    self.store.set_recompute_rate(rate)
+            else:
+                self._rate.finished(req_context.req_id)
         for g, gkeys in self._by_tail(keys):
             self.engine.commit(g, gkeys, success=success)
             if success and self._events_on:
@@ -303,6 +330,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Drop every pin the request holds (leases cover requests vLLM never finishes)."""
+        if self._rate is not None:
+            self._rate.finished(req_context.req_id)
         self.store.release(req_context.req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -74,6 +74,15 @@ class FsspecTierConfig(TierConfig):
     #: sharing the tier bound it together; 0: only at start
     rescan_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     rescan_fraction: float = Field(default=0.05, gt=0, le=1, allow_inf_nan=False)
+    #: presence without a probe (docs/tiers.md): no other process writes this namespace, so once a
+    #: listing is done a record this store's ledger does not know (never written, read or listed)
+    #: is absent, answered from memory. Default: such a record is looked for on storage (a probe:
+    #: the lookup answers PENDING until it is back), since another process may have written it
+    sole_writer: StrictBool = False
+    #: with other writers: for this many seconds after each listing, a record the ledger does not
+    #: know is taken for absent without a probe; one another process wrote since is then a missed
+    #: hit (recomputed), never wrong bytes. 0: always probe
+    listing_trusted_s: float = Field(default=0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
     #: a record read is refreshed on storage (its time, the eviction order) at most this often
     touch_after_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     #: remote file systems (S3...): each request's deadline, and how often transient failures (503
@@ -95,7 +104,7 @@ class FsspecTierConfig(TierConfig):
             return data  # local paths: io_threads is a setting of its own
         return old_name(data, "io_threads", "io_depth", " off local paths (requests in flight)")
 
-    @field_validator("fsync", "read_unencrypted", "scan_on_open", mode="before")
+    @field_validator("fsync", "read_unencrypted", "scan_on_open", "sole_writer", mode="before")
     @classmethod
     def _real_bools(cls, v: object) -> bool:
         return real_bool(v)

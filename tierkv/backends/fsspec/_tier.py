@@ -109,6 +109,8 @@ class FsspecTier(Tier):
         self._evicting = False
         bounded = config.capacity_bytes is not None and config.rescan_s > 0
         self._rescans = Rescans(config.scan_on_open, config.rescan_s if bounded else None)
+        #: when the last listing that rebuilt the ledger began (monotonic; None: none yet)
+        self._listed_at: float | None = None
         #: the encryption keys (``encryption_key_file``), loaded at open
         self._ring: KeyRing | None = None
         #: records this store may not serve (another key's, or plaintext with read_unencrypted off)
@@ -259,6 +261,7 @@ class FsspecTier(Tier):
         """
         try:
             started, written = time.time(), self._ledger.written
+            began = time.monotonic()
             entries = await self.driver.listdir(self.ns_root, pause=self._rescans.busy)
             # sorting a large listing is seconds of CPU: off the event loop
             listing = await anyio.to_thread.run_sync(classify, self.root, entries)
@@ -273,6 +276,7 @@ class FsspecTier(Tier):
             records = listing.records.get(self.context.fingerprint, [])
             found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
                                                 if is_record_name(rel.rpartition("/")[2])), started, written)
+            self._listed_at = began
             self.notify("removed", keys_of(gone))  # evicted by another process, or repaired
             # what the listing saw needs no probe before its first read (the newest records first)
             self.notify("listed", await anyio.to_thread.run_sync(newest_keys, records, LISTED_KEYS_MAX))
@@ -466,6 +470,26 @@ class FsspecTier(Tier):
         for i, f in zip(ask, found, strict=True):
             out[i] = f
         return out
+
+    def contains_nowait(self, group: int, keys: Sequence[bytes]) -> list[bool] | None:
+        """Presence from the ledger alone, where it is known to be complete: with ``sole_writer``
+        once a listing is done, or within ``listing_trusted_s`` of the last listing; else None
+        (the store probes). A record another process wrote since is a missed hit, never wrong
+        bytes; one it removed is found missing by the read (a counted miss)."""
+        if not self.absence_known():
+            return None
+        ledger = self._ledger
+        return [self.path(k) in ledger for k in keys]
+
+    def absence_known(self, now: float | None = None) -> bool:
+        """Whether a record the ledger does not know may be answered absent without a probe."""
+        at = self._listed_at
+        if at is None or self._driver is None:
+            return False
+        if self.cfg.sole_writer:
+            return True
+        trusted = self.cfg.listing_trusted_s
+        return trusted > 0 and (time.monotonic() if now is None else now) - at <= trusted
 
     async def delete(self, group: int, keys: Sequence[bytes]) -> None:
         """Remove records."""

@@ -35,7 +35,8 @@ model (dummy weights), the same vLLM KV cache (``--vllm-cache-blocks`` blocks):
 
 ``prefix``       vLLM's prefix caching alone, no offloading;
 ``tierkv-cpu``   tierkv's offloading spec with a CPU pool of ``--cpu-pool-mib``;
-``tierkv-file``  the same plus a ``file://`` tier (unbounded) in the working directory;
+``tierkv-file``  the same plus a ``file://`` tier (unbounded) in the working directory, its own
+                 (``sole_writer``: absence answered from its ledger, no probe);
 ``tierkv-memory`` (opt-in) the same with an unbounded in-process ``memory`` tier instead: it answers
                  presence from memory (no probe), the yardstick of what the file tier's probes cost;
 ``prefix-control`` (opt-in) ``prefix`` again in another engine: the comparison's noise floor;
@@ -241,7 +242,8 @@ class _TraceRun:
             return None
         if system == "vllm-offload":
             return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": cpu_bytes}
-        tiers: list[dict[str, Any]] = {"tierkv-file": [{"kind": "fsspec", "url": f"file://{tier_dir}"}],
+        file_tier: dict[str, Any] = {"kind": "fsspec", "url": f"file://{tier_dir}", "sole_writer": True}
+        tiers: list[dict[str, Any]] = {"tierkv-file": [file_tier],
                                        "tierkv-memory": [{"kind": "memory"}]}.get(system, [])
         extra: dict[str, Any] = {"spec_name": "TierKVOffloadingSpec",
                                  "spec_module_path": "tierkv.adapters.vllm", "cpu_bytes_to_use": cpu_bytes,
