@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from tierkv import GroupSpec, Layout, Lookup, PrefixLookup, TieredStore
 from tierkv.movement.costmodel import FALLBACK_DEADLINE_S, CostModel
-from tierkv.movement.gateway import MAX_RATE, MIN_RATE, RATE_WINDOW, RateEstimate
 from tierkv.movement.lookup import KeyState
+from tierkv.movement.transfers import MAX_RATE, MIN_RATE, RATE_WINDOW, RateEstimate
 
 pytestmark = pytest.mark.anyio
 
@@ -296,7 +296,8 @@ def test_a_tier_unmeasured_below_its_prior_is_planned_with_the_prior_again(monke
                                                                           ) -> None:
     from tierkv.backends.base import TierContext
     from tierkv.backends.memory import MemoryTier, MemoryTierConfig
-    from tierkv.movement.gateway import REPROBE_S, TierGateway
+    from tierkv.movement.gateway import TierGateway
+    from tierkv.movement.transfers import REPROBE_S
 
     ctx = TierContext(layout=LAYOUT, namespace="", fingerprint="x")
     tier = MemoryTier(MemoryTierConfig(kind="memory"), ctx)

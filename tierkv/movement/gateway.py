@@ -17,186 +17,41 @@ threads read the presence cache; the coroutines run on the owner's event loop.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import anyio
 import torch
 
 from tierkv.backends.base import Tier
+from tierkv.movement.presence import Presence
+from tierkv.movement.transfers import (
+    LOAD_BATCH_BYTES,
+    MIB,
+    ByteBudget,
+    OnBatch,
+    OnRow,
+    RateEstimate,
+    RowPlan,
+    batch_buffer,
+    plan_rows,
+    take_rows,
+)
+from tierkv.movement.transfers import (
+    landed as row_landed,
+)
 from tierkv.observing.health import TierHealth, why
 from tierkv.observing.metrics import HISTOGRAMS, Histogram, Metric, TierStats
-from tierkv.tensors import as_bytes, row_span, scatter_rows
+from tierkv.tensors import as_bytes, scatter_rows
 
-__all__ = ["ByteBudget", "RateEstimate", "RowPlan", "TierGateway", "plan_rows"]
+__all__ = ["TierGateway"]
 
 log = logging.getLogger("tierkv")
 
-MIB = 1 << 20
-#: a read-rate estimate below the prior, unmeasured this long, is planned with the prior again
-REPROBE_S = 5.0
-#: the read-rate estimate is the median of this many recent samples (the prior counts as one
-#: until real ones push it out): one stalled moment moves it by at most one rank, never replaces it
-RATE_WINDOW = 5
-#: the read-rate estimate stays within these bounds (bytes/s) whatever a sample says
-MIN_RATE = 1e3
-MAX_RATE = 1e12
-
-
-class RateEstimate:
-    """A tier's read rate from samples: the (upper) median of the last :data:`RATE_WINDOW`, bounded;
-    a sample is the bytes a load landed over the time loads were in flight since the last one."""
-
-    def __init__(self, prior: float) -> None:
-        self.prior = float(prior)
-        self.samples: collections.deque[float] = collections.deque([_bounded(prior)], maxlen=RATE_WINDOW)
-        self.value = self.samples[0]
-        #: when loads were last idle or last landed (the owner sets it as the first load starts)
-        self.busy_since = 0.0
-        self.last_sample = time.monotonic()
-
-    def add(self, sample: float) -> float:
-        """Take one sample (bytes/s; NaN, zero or less carry no information) and return the estimate."""
-        if sample == sample and sample > 0:  # not NaN
-            self.samples.append(_bounded(sample))
-            ordered = sorted(self.samples)
-            self.value = ordered[len(ordered) // 2]
-        return self.value
-
-    def landed(self, nbytes: int, now: float) -> None:
-        """A load landed ``nbytes`` at ``now``: one sample, bytes over the time loads were busy."""
-        busy = now - self.busy_since
-        self.busy_since = now
-        if nbytes > 0 and busy > 0:
-            self.add(nbytes / busy)
-            self.last_sample = now
-
-    def planning(self, now: float) -> float:
-        """The rate the cost model plans with: the estimate, or, when it has fallen below the prior
-        and no load has measured it for :data:`REPROBE_S`, the prior again, so the next restore
-        loads and measures (a tier the cost model stopped using would otherwise never be measured
-        again: one slow moment would switch restores off for good)."""
-        if self.value < self.prior and now - self.last_sample >= REPROBE_S:
-            return self.prior
-        return max(self.value, 1.0)
-
-
-def _bounded(rate: float) -> float:
-    return min(max(float(rate), MIN_RATE), MAX_RATE)
-
-
 EMA_ALPHA = 0.2
-PRESENCE_CACHE_ENTRIES = 1 << 20
-#: keys a tier event updates per hold of the lock
-LISTED_SLICE = 4096
-#: runs of consecutive rows at least this long move in place; shorter ones are gathered
-DIRECT_RUN_BYTES = 1 << 20
-#: a load is cut into batches of about this many bytes, so blocks land (and become usable) as
-#: they arrive and enough reads are in flight to keep the tier busy
-LOAD_BATCH_BYTES = 64 << 20
-
-OnBatch = Callable[[list[int], list[bool]], None]
-#: ``on_row(position, row)``: the block at ``position`` of a load is verified in ``row``, in the
-#: reading thread, before its batch lands
-OnRow = Callable[[int, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    """One batch of a transfer: positions (into the caller's keys) and whether they are one run."""
-
-    positions: list[int]
-    #: ``(start, stop)`` rows of the caller's tensor when the batch is a run, else None (gathered)
-    run: tuple[int, int] | None
-
-
-def plan_rows(rows: Sequence[int], block_bytes: int, batch_bytes: int = LOAD_BATCH_BYTES,
-              scattered: bool = False) -> list[RowPlan]:
-    """Cut a transfer of ``rows`` into batches, in key order.
-
-    ``scattered`` (a tier that moves blocks where their rows lie): batches of about
-    ``batch_bytes``, whatever the rows. Otherwise runs of consecutive rows at least
-    :data:`DIRECT_RUN_BYTES` long (or the whole transfer) become in-place batches, split at
-    ``batch_bytes``; the other positions are gathered into batches of about ``batch_bytes`` that
-    go through a staging buffer.
-    """
-    per = max(1, batch_bytes // max(1, block_bytes))
-    if scattered:
-        return [RowPlan(list(range(a, min(len(rows), a + per))), None) for a in range(0, len(rows), per)]
-    direct_min = max(1, DIRECT_RUN_BYTES // max(1, block_bytes))
-    out: list[RowPlan] = []
-    gathered: list[int] = []
-    n = len(rows)
-    start = 0
-    for i in range(1, n + 1):
-        if i < n and rows[i] == rows[i - 1] + 1:
-            continue
-        length = i - start
-        if length >= direct_min or length == n:
-            for a in range(start, i, per):
-                b = min(i, a + per)
-                out.append(RowPlan(list(range(a, b)), (rows[a], rows[a] + b - a)))
-        else:
-            gathered.extend(range(start, i))
-            while len(gathered) >= per:
-                out.append(RowPlan(gathered[:per], None))
-                gathered = gathered[per:]
-        start = i
-    if gathered:
-        out.append(RowPlan(gathered, None))
-    out.sort(key=lambda p: p.positions[0])
-    return out
-
-
-class ByteBudget:
-    """Bytes in flight, bounded; waiters are served first come, first served.
-
-    A request larger than the bound proceeds once nothing else is in flight. Used from one event
-    loop only.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: collections.deque[tuple[int, anyio.Event]] = collections.deque()
-
-    def _fits(self, n: int) -> bool:
-        return self.used == 0 or self.used + n <= self.limit
-
-    async def acquire(self, n: int) -> None:
-        """Wait until ``n`` bytes fit, in arrival order."""
-        if not self._waiters and self._fits(n):
-            self.used += n
-            return
-        ev = anyio.Event()
-        entry = (n, ev)
-        self._waiters.append(entry)
-        try:
-            await ev.wait()
-        except BaseException:
-            if ev.is_set():
-                self.release(n)  # granted just as we were cancelled: give it back
-            else:
-                self._waiters.remove(entry)
-                self._wake()
-            raise
-
-    def release(self, n: int) -> None:
-        """Give ``n`` bytes back and wake the waiters that now fit."""
-        self.used -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, ev = self._waiters.popleft()
-            self.used += n
-            ev.set()
 
 
 class TierGateway:
@@ -232,133 +87,52 @@ class TierGateway:
         self.load_seconds = Histogram()
         self.store_seconds = Histogram()
         self.stats = TierStats(index=index, kind=tier.kind, describe=tier.describe())
-        self._presence: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
-        #: keys whose presence is being probed now
-        self.probing: set[bytes] = set()
-        #: bumped whenever what the gateway knows of presence changes (lookups re-answer then)
-        self.version = 0
+        #: what is known of which keys the tier holds
+        self.known = Presence(tier, self._lock, lambda: self.health.up)
         #: whether the tier answers, and the writes that wait for it (:mod:`tierkv.observing.health`)
-        self.health = TierHealth(index, tier, self.stats, up, self._presence_changed)
-        tier.add_listener(self._on_tier_event)
+        self.health = TierHealth(index, tier, self.stats, up, self.known.changed)
+        tier.add_listener(self.known.on_tier_event)
 
     @property
     def up(self) -> bool:
         """Whether the tier answers (a tier that is down holds nothing, for lookups)."""
         return self.health.up
 
-    def _presence_changed(self) -> None:
-        self.version += 1
+    # ---- presence (:class:`~tierkv.movement.presence.Presence`) ------------------------------------
+    @property
+    def probing(self) -> set[bytes]:
+        """Keys whose presence is being probed now."""
+        return self.known.probing
 
-    # ---- presence -------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Bumped whenever what the gateway knows of presence changes (lookups re-answer then)."""
+        return self.known.version
+
     @property
     def fast(self) -> bool:
         """True when the tier answers presence from memory, without I/O."""
-        return self.tier.capabilities.fast_contains
+        return self.known.fast
 
     def presence(self, group: int, key: bytes, now: float) -> bool | None:
         """True / False when known, None when a probe is needed (False while the tier is down)."""
-        if not self.up:
-            return False
-        entry = self._presence.get(key)
-        if entry is not None and entry[1] < now:
-            del self._presence[key]
-            entry = None
-        if entry is None or (self.fast and entry[0]):
-            # a tier that is not fast may still know from memory (a file tier's complete ledger)
-            ans = self.tier.contains_nowait(group, [key])
-            return None if ans is None else ans[0]
-        return entry[0]
+        return self.known.presence(group, key, now)
 
     def presence_many(self, group: int, keys: list[bytes], now: float) -> list[bool | None]:
         """:meth:`presence` of many keys."""
-        if not self.up:
-            return [False] * len(keys)
-        cache = self._presence
-        get = cache.get
-        out: list[bool | None] = []
-        if self.fast:
-            ans = self.tier.contains_nowait(group, keys)
-            for j, k in enumerate(keys):
-                e = get(k)
-                if e is not None and e[1] >= now and not e[0]:
-                    out.append(False)  # a read of it failed just now
-                else:
-                    out.append(None if ans is None else ans[j])
-            return out
-        unknown: list[int] = []
-        for k in keys:
-            e = get(k)
-            if e is None:
-                unknown.append(len(out))
-                out.append(None)
-            elif e[1] < now:
-                del cache[k]
-                unknown.append(len(out))
-                out.append(None)
-            else:
-                out.append(e[0])
-        if unknown:
-            # a tier that is not fast may still know from memory (a file tier's complete ledger)
-            ans = self.tier.contains_nowait(group, [keys[i] for i in unknown])
-            if ans is not None:
-                for i, a in zip(unknown, ans, strict=True):
-                    out[i] = a
-        return out
+        return self.known.presence_many(group, keys, now)
 
     def note(self, key: bytes, present: bool, now: float | None = None) -> None:
-        """Remember what a probe, a store or a load told about ``key``.
-
-        A tier that answers presence from memory needs only the negative answers: a read that
-        failed keeps the key a MISS for ``negative_ttl_s`` instead of promoting it again and again.
-        """
-        self.version += 1
-        if self.fast and present:
-            self._presence.pop(key, None)
-            return
-        now = time.monotonic() if now is None else now
-        ttl = self.cfg.presence_ttl_s if present else self.cfg.negative_ttl_s
-        self._presence[key] = (present, now + ttl)
-        self._presence.move_to_end(key)
-        while len(self._presence) > PRESENCE_CACHE_ENTRIES:
-            self._presence.popitem(last=False)
+        """Remember what a probe, a store or a load told about ``key``."""
+        self.known.note(key, present, now)
 
     def note_many(self, keys: Sequence[bytes], present: Sequence[bool], now: float) -> None:
-        """:meth:`note` of many keys at once (what a load or a store of a batch told)."""
-        self.version += 1
-        cache = self._presence
-        cfg = self.cfg
-        absent = (False, now + cfg.negative_ttl_s)
-        if self.fast:
-            for k, f in zip(keys, present, strict=True):
-                cache.pop(k, None)
-                if not f:
-                    cache[k] = absent
-        else:
-            found = (True, now + cfg.presence_ttl_s)
-            for k, f in zip(keys, present, strict=True):
-                cache.pop(k, None)  # re-inserted: the most recent end
-                cache[k] = found if f else absent
-        while len(cache) > PRESENCE_CACHE_ENTRIES:
-            cache.popitem(last=False)
-
-    def _on_tier_event(self, event: str, keys: list[bytes]) -> None:
-        """A listing's keys are present (no probe before their first read); removed keys are
-        forgotten (the next lookup probes again). In slices: lookups wait for none of it long."""
-        if event not in ("listed", "removed"):
-            return
-        for i in range(0, len(keys), LISTED_SLICE):
-            part = keys[i:i + LISTED_SLICE]
-            with self._lock:
-                if event == "listed":
-                    self.note_many(part, [True] * len(part), time.monotonic())
-                else:
-                    for k in part:
-                        self.forget(k)
+        """:meth:`note` of many keys at once."""
+        self.known.note_many(keys, present, now)
 
     def forget(self, key: bytes) -> None:
         """Drop a cached presence answer."""
-        self.version += 1
-        self._presence.pop(key, None)
+        self.known.forget(key)
 
     # ---- stores ---------------------------------------------------------------------------------
     def backlog_s(self, extra_bytes: int = 0) -> float:
@@ -423,7 +197,7 @@ class TierGateway:
             sub = [keys[i] for i in plan.positions]
             try:
                 at = [rows[i] for i in plan.positions]
-                data = src8 if scattered else _take_rows(src, plan.run, at)
+                data = src8 if scattered else take_rows(src, plan.run, at)
                 async with self._write_limiter:
                     with self._lock:
                         self.stats.inflight_ops += 1
@@ -498,17 +272,14 @@ class TierGateway:
 
         scattered = self._scattered(dest)
 
-        async def one(plan: RowPlan) -> None:
-            got = await self._load_batch(group, plan, keys, rows, dest, block, on_row, scattered)
-            with self._lock:
-                for i, f in zip(plan.positions, got, strict=True):
-                    ok[i] = f
-                if on_batch is not None:
-                    on_batch(plan.positions, got)
-
-        async def budgeted(plan: RowPlan, nbytes: int) -> None:
+        async def batch(plan: RowPlan, nbytes: int) -> None:
             try:
-                await one(plan)
+                got = await self._load_batch(group, plan, keys, rows, dest, block, on_row, scattered)
+                with self._lock:
+                    for i, f in zip(plan.positions, got, strict=True):
+                        ok[i] = f
+                    if on_batch is not None:
+                        on_batch(plan.positions, got)
             finally:
                 self._load_budget.release(nbytes)
 
@@ -522,7 +293,7 @@ class TierGateway:
                 for plan in plans:
                     nbytes = len(plan.positions) * block
                     await self._load_budget.acquire(nbytes)  # in order: early blocks are read first
-                    tg.start_soon(budgeted, plan, nbytes)
+                    tg.start_soon(batch, plan, nbytes)
         finally:
             with self._lock:
                 self.load_backlog_bytes -= total
@@ -541,7 +312,7 @@ class TierGateway:
                           rows_in: Sequence[int], dest: torch.Tensor, block: int, on_row: OnRow | None,
                           scattered: bool) -> list[bool]:
         keys, rows = [keys_in[i] for i in plan.positions], [rows_in[i] for i in plan.positions]
-        buf, direct = _batch_buffer(dest, block, plan, scattered)
+        buf, direct = batch_buffer(dest, block, plan, scattered)
         t0 = time.monotonic()
         with self._lock:
             if self._loads_running == 0:
@@ -549,7 +320,7 @@ class TierGateway:
             self._loads_running += 1
         try:
             landed = None if on_row is None else functools.partial(
-                _landed, on_row, plan.positions, buf, rows if scattered else None)
+                row_landed, on_row, plan.positions, buf, rows if scattered else None)
             async with self._read_limiter:
                 found = list(await (self.tier.get_rows(group, keys, buf, rows, landed) if scattered
                                     else self.tier.get(group, keys, buf, landed)))
@@ -632,30 +403,3 @@ class TierGateway:
         s.requeue_waiting = len(self.health.redo)
         s.down_reason = self.health.down_reason
         return s
-
-
-
-def _batch_buffer(dest: torch.Tensor, block: int, plan: RowPlan,
-                  scattered: bool) -> tuple[torch.Tensor, bool]:
-    """Where a load batch is read to, and whether that is ``dest`` itself: the whole of it for a
-    tier that reads into scattered rows, the run's rows of a CPU ``dest``, else a staging buffer."""
-    if scattered:
-        return as_bytes(dest, dest.shape[0], block), True
-    if plan.run is not None and dest.device.type == "cpu":
-        return row_span(as_bytes(dest, dest.shape[0], block), plan.run[0], plan.run[1]), True
-    return torch.empty((len(plan.positions), block), dtype=torch.uint8), False
-
-
-def _take_rows(src: torch.Tensor, run: tuple[int, int] | None, rows: list[int]) -> torch.Tensor:
-    """The CPU rows of ``src`` to write: a view when they are one run on the CPU, else a copy."""
-    if run is not None:
-        t = row_span(src, run[0], run[1])
-    else:
-        t = src.index_select(0, torch.tensor(rows, dtype=torch.int64, device=src.device))
-    return t if t.device.type == "cpu" else t.cpu()
-
-
-def _landed(on_row: OnRow, positions: list[int], buf: torch.Tensor, rows: list[int] | None, j: int) -> None:
-    """Block ``j`` of a batch, read into row ``j`` of ``buf`` (or row ``rows[j]``), is verified:
-    tell ``on_row`` its load position."""
-    on_row(positions[j], buf[j if rows is None else rows[j]])
