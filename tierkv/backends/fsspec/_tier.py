@@ -30,7 +30,6 @@ logs or the :class:`~tierkv.errors.BackendError` messages the tier raises (see :
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import time
@@ -41,6 +40,7 @@ import anyio
 import torch
 
 from tierkv.backends.base import Capabilities, RowLanded, Tier, TierConfig, TierContext
+from tierkv.backends.fsspec import _upkeep
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
 from tierkv.backends.fsspec._driver import Driver
@@ -50,14 +50,9 @@ from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
 from tierkv.backends.fsspec._rescans import Rescans
 from tierkv.backends.namespace import (
     RECORD_SUFFIX,
-    classify,
-    is_record_name,
-    keys_of,
     listed_keys,
-    manifest_bytes,
     manifest_path,
     namespace_path,
-    newest_keys,
     record_path,
 )
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
@@ -65,7 +60,6 @@ from tierkv.records import encode_record_parts
 from tierkv.records.encryption import KeyRing
 from tierkv.records.outcomes import Failed, Found, RecordRead, Skipped, Written
 from tierkv.records.read import RECORD_OVERHEAD, Heads, RecordSource, none_heads, read_into
-from tierkv.records.tempnames import temp_owner_alive
 from tierkv.records.verdicts import Refusals, sort_reads
 from tierkv.tensors import as_bytes
 
@@ -74,11 +68,6 @@ __all__ = ["FsspecTier", "FsspecTierConfig", "RECORD_SUFFIX", "Redactor", "defau
 
 log = logging.getLogger("tierkv.fsspec")
 
-#: a listing tells the stores above the tier of at most this many of its newest records
-LISTED_KEYS_MAX = 1 << 18
-#: errors that mean "the disk is full": a namespace manifest that cannot be written for them is
-#: not fatal (records already there stay readable)
-_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FsspecTier(Tier):
@@ -178,7 +167,7 @@ class FsspecTier(Tier):
                                                   cfg.read_processes, cfg.file_mode, cfg.s3_client)
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
-            await self._write_manifest()
+            await _upkeep.write_manifest(self)
             await self._driver.prepare(self.ns_root)
         except BackendNotFound:
             await self._close_quietly()
@@ -192,23 +181,6 @@ class FsspecTier(Tier):
             if unavailable(exc):
                 raise TierUnavailable(str(err)) from exc
             raise err from None
-
-    async def _write_manifest(self) -> None:
-        ctx = self.context
-        manifest = manifest_bytes(ctx.namespace, ctx.fingerprint, ctx.layout)
-        path = manifest_path(self.root, ctx.fingerprint)
-        (found,) = await self.driver.read_files([path], len(manifest))
-        if isinstance(found, Failed):
-            raise found.error
-        if found == manifest:
-            return
-        try:
-            await self.driver.write_file(path, manifest)
-        except OSError as exc:
-            if exc.errno not in _FULL:
-                raise
-            self.count("manifest_errors")
-            self._warn("writing the namespace manifest", exc)
 
     async def _close_quietly(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -253,55 +225,8 @@ class FsspecTier(Tier):
 
     async def scan(self) -> None:
         """List the namespace: account for the records there (those of every process sharing the
-        tier), remove stale temporaries, evict down to capacity, oldest first.
-
-        Temporary files whose writer is known dead (same host, pid gone) are removed at once;
-        those of live or remote writers once older than ``stale_temp_s``. Entries that cannot be
-        listed (vanished, unreadable) are skipped, never fatal.
-        """
-        try:
-            started, written = time.time(), self._ledger.written
-            began = time.monotonic()
-            entries = await self.driver.listdir(self.ns_root, pause=self._rescans.busy)
-            # sorting a large listing is seconds of CPU: off the event loop
-            listing = await anyio.to_thread.run_sync(classify, self.root, entries)
-            now = time.time()
-            old = now - self.cfg.stale_temp_s
-            stale = [e.path for e, rel, _ in listing.temps
-                     if temp_owner_alive(rel.rpartition("/")[2]) is False or e.mtime < old]
-            if stale:
-                gone, failed = await self._remove(stale)
-                self.count("temp_removed", len(gone))
-                self._warn_batch("removing stale temporary files", [e for _, e in failed], len(stale))
-            records = listing.records.get(self.context.fingerprint, [])
-            found, gone = self._ledger.rebuild(((e.mtime, e.path, e.size) for e, rel in records
-                                                if is_record_name(rel.rpartition("/")[2])), started, written)
-            self._listed_at = began
-            self.notify("removed", keys_of(gone))  # evicted by another process, or repaired
-            # what the listing saw needs no probe before its first read (the newest records first)
-            self.notify("listed", await anyio.to_thread.run_sync(newest_keys, records, LISTED_KEYS_MAX))
-            self.count("scanned", found)
-            await self._evict()
-        except Exception as exc:
-            self._warn("scanning the namespace", exc)
-            self.count("scan_errors")
-        finally:
-            self._rescans.done.set()
-
-    async def _evict(self) -> None:
-        if self._evicting:
-            return
-        self._evicting = True
-        try:
-            while victims := self._ledger.victims():
-                gone, failed = await self._remove(victims)
-                if failed:
-                    self.count("evict_errors", len(failed))
-                    self._warn_batch("evicting records", [e for _, e in failed], len(victims))
-                self.count("evictions", len(gone))
-                self.notify("removed", keys_of(gone))
-        finally:
-            self._evicting = False
+        tier), remove stale temporaries, evict down to capacity, oldest first (:func:`_upkeep.scan`)."""
+        await _upkeep.scan(self)
 
     # ---- Tier API -------------------------------------------------------------------------------
     async def put(self, group: int, keys: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
@@ -315,49 +240,47 @@ class FsspecTier(Tier):
 
     async def _put(self, keys: Sequence[bytes], rows_of: Callable[[], Any]) -> list[bool]:
         try:
-            return await self._write(keys, rows_of())
+            rows = rows_of()
+            cfg = self.cfg
+            fp = self.context.fingerprint
+            cap = cfg.capacity_bytes
+            paths = [self.path(k) for k in keys]
+            ring = self._ring
+
+            def encode(i: int) -> list[Any] | None:
+                parts = encode_record_parts(key=keys[i], fingerprint=fp, payload=rows[i], codec=cfg.codec,
+                                            elem_size=cfg.elem_size, level=cfg.zstd_level, keys=ring)
+                if cap is not None and sum(memoryview(p).nbytes for p in parts) > cap:
+                    return None  # a record larger than the whole tier is never written
+                return parts
+
+            results = await self.driver.write_records(paths, encode, sum(r.nbytes for r in rows))
+            now = time.time()
+            ok = [False] * len(keys)
+            too_large = 0
+            errors: list[BaseException] = []
+            # the ledger's age order: a prefix's first block the most recent, so eviction takes its end
+            # first and what stays is usable (a prefix without its first block is never of any use)
+            for i in reversed(range(len(results))):
+                match results[i]:
+                    case Written(size):
+                        self._ledger.wrote(paths[i], size, now)
+                        ok[i] = True
+                    case Failed(error):
+                        self.count("write_errors")
+                        errors.append(error)
+                    case Skipped():
+                        too_large += 1
+            self._warn_batch("writing records", errors, len(keys))
+            if too_large:
+                self.count("too_large", too_large)
+            self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
+            if self._ledger.wants_listing():
+                self._rescans.soon()
+            await _upkeep.evict(self)
+            return ok
         except Exception as exc:
             raise self._error("storing records", exc) from None
-
-    async def _write(self, keys: Sequence[bytes], rows: Any) -> list[bool]:
-        cfg = self.cfg
-        fp = self.context.fingerprint
-        cap = cfg.capacity_bytes
-        paths = [self.path(k) for k in keys]
-        ring = self._ring
-
-        def encode(i: int) -> list[Any] | None:
-            parts = encode_record_parts(key=keys[i], fingerprint=fp, payload=rows[i], codec=cfg.codec,
-                                        elem_size=cfg.elem_size, level=cfg.zstd_level, keys=ring)
-            if cap is not None and sum(memoryview(p).nbytes for p in parts) > cap:
-                return None  # a record larger than the whole tier is never written
-            return parts
-
-        results = await self.driver.write_records(paths, encode, sum(r.nbytes for r in rows))
-        now = time.time()
-        ok = [False] * len(keys)
-        too_large = 0
-        errors: list[BaseException] = []
-        # the ledger's age order: a prefix's first block the most recent, so eviction takes its end
-        # first and what stays is usable (a prefix without its first block is never of any use)
-        for i in reversed(range(len(results))):
-            match results[i]:
-                case Written(size):
-                    self._ledger.wrote(paths[i], size, now)
-                    ok[i] = True
-                case Failed(error):
-                    self.count("write_errors")
-                    errors.append(error)
-                case Skipped():
-                    too_large += 1
-        self._warn_batch("writing records", errors, len(keys))
-        if too_large:
-            self.count("too_large", too_large)
-        self.notify("stored", [k for k, good in zip(keys, ok, strict=True) if good])
-        if self._ledger.wants_listing():
-            self._rescans.soon()
-        await self._evict()
-        return ok
 
     async def get(self, group: int, keys: Sequence[bytes], out: torch.Tensor,
                   landed: RowLanded | None = None) -> list[bool]:
@@ -374,81 +297,50 @@ class FsspecTier(Tier):
                    landed: RowLanded | None) -> list[bool]:
         self._rescans.reading += 1
         try:
-            return await self._read(keys, rows(), block_bytes, landed)
+            np_out = rows()
+            fp = self.context.fingerprint
+            ring = self._ring
+            heads = (none_heads(keys, fp, block_bytes, self.cfg.elem_size,
+                                None if ring is None else ring.current_id)
+                     if self.cfg.codec == "none" else {})
+            paths = [self.path(k) for k in keys]
+
+            job = functools.partial(_read_one, keys, np_out, heads, fp, ring, landed)
+
+            inplace = None  # reader processes verify unencrypted records only
+            if heads and ring is None and self.driver.reads_in_place():
+                inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
+            verdicts = await self.driver.read_records(paths, block_bytes + RECORD_OVERHEAD + 1, job,
+                                                      len(keys) * block_bytes, inplace, landed)
+            reads = sort_reads(paths, keys, verdicts)
+            if reads.errors:
+                self.count("read_errors", len(reads.errors))
+            for path in reads.absent:
+                self._ledger.forget(path)
+            for k, verdict in reads.refused:
+                self._refusals.refused(k, verdict)
+            for _, _, reason in reads.corrupt:
+                self.count("corrupt")
+                self.count(f"corrupt_{reason}")
+            self._warn_batch("reading records", reads.errors, len(keys))
+            # records not known yet were another process's, or not listed yet
+            learned, touch = self._ledger.read_many(reads.read_paths[::-1], reads.read_sizes[::-1],
+                                                    time.time())
+            touch.reverse()  # in key order again: the first the newest (see the driver's touch_many)
+            if reads.corrupt:
+                await _upkeep.remove_corrupt(self, reads.corrupt)
+            if touch and self.cfg.capacity_bytes is not None:
+                try:
+                    await self.driver.touch_many(touch)
+                except Exception as exc:
+                    self._warn("refreshing records", exc)
+            if learned:
+                await _upkeep.evict(self)
+            return reads.found
         except Exception as exc:
             raise self._error("reading records", exc) from None
         finally:
             self._rescans.reading -= 1
-
-    async def _read(self, keys: Sequence[bytes], np_out: Any, block_bytes: int,
-                    landed: RowLanded | None) -> list[bool]:
-        fp = self.context.fingerprint
-        ring = self._ring
-        heads = (none_heads(keys, fp, block_bytes, self.cfg.elem_size,
-                            None if ring is None else ring.current_id)
-                 if self.cfg.codec == "none" else {})
-        paths = [self.path(k) for k in keys]
-
-        job = functools.partial(_read_one, keys, np_out, heads, fp, ring, landed)
-
-        inplace = None  # reader processes verify unencrypted records only
-        if heads and ring is None and self.driver.reads_in_place():
-            inplace = [(heads[len(k)][0] + k + heads[len(k)][1], np_out[i]) for i, k in enumerate(keys)]
-        verdicts = await self.driver.read_records(paths, block_bytes + RECORD_OVERHEAD + 1, job,
-                                                  len(keys) * block_bytes, inplace, landed)
-        reads = sort_reads(paths, keys, verdicts)
-        if reads.errors:
-            self.count("read_errors", len(reads.errors))
-        for path in reads.absent:
-            self._ledger.forget(path)
-        for k, verdict in reads.refused:
-            self._refusals.refused(k, verdict)
-        for _, _, reason in reads.corrupt:
-            self.count("corrupt")
-            self.count(f"corrupt_{reason}")
-        self._warn_batch("reading records", reads.errors, len(keys))
-        # records not known yet were another process's, or not listed yet
-        learned, touch = self._ledger.read_many(reads.read_paths[::-1], reads.read_sizes[::-1], time.time())
-        touch.reverse()  # in key order again: the first the newest (see the driver's touch_many)
-        if reads.corrupt:
-            await self._remove_corrupt(reads.corrupt)
-        if touch and self.cfg.capacity_bytes is not None:
-            try:
-                await self.driver.touch_many(touch)
-            except Exception as exc:
-                self._warn("refreshing records", exc)
-        if learned:
-            await self._evict()
-        return reads.found
-
-    async def _remove(self, paths: list[str]) -> tuple[list[str], list[tuple[str, BaseException]]]:
-        """Delete ``paths``, each on its own: those gone, and those kept with the error that kept
-        them (a failed call keeps them all; ``remove_errors`` counts every path kept)."""
-        try:
-            errors = await self.driver.delete_many(paths)
-        except Exception as exc:
-            errors = [exc] * len(paths)
-        gone = [p for p, e in zip(paths, errors, strict=True) if e is None]
-        failed = [(p, e) for p, e in zip(paths, errors, strict=True) if e is not None]
-        if failed:
-            self.count("remove_errors", len(failed))
-        return gone, failed
-
-    async def _remove_corrupt(self, corrupt: list[tuple[str, bytes, str]]) -> None:
-        """Remove the records a read found damaged; one line each says whether it went."""
-        paths = [path for path, _, _ in corrupt]
-        for path in paths:
-            self._ledger.forget(path)
-        gone, failed = await self._remove(paths)
-        kept = dict(failed)
-        for path, k, reason in corrupt:
-            if path in kept:
-                log.warning("corrupt record (%s) in %s: %s could not be removed: %s", reason, self.describe(),
-                            k.hex(), self._redact.error(kept[path]))
-            else:
-                log.warning("corrupt record (%s) in %s: %s removed", reason, self.describe(), k.hex())
-        self.count("corrupt_removed", len(gone))
-        self.notify("removed", [k for path, k, _ in corrupt if path not in kept])
 
     async def contains(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Whether each record exists (a later ``get`` still verifies it).
@@ -496,7 +388,7 @@ class FsspecTier(Tier):
         paths = [self.path(k) for k in keys]
         for p in paths:
             self._ledger.forget(p)
-        gone, failed = await self._remove(paths)
+        gone, failed = await _upkeep.remove(self, paths)
         removed = set(gone)
         self.notify("removed", [k for k, p in zip(keys, paths, strict=True) if p in removed])
         if failed:
