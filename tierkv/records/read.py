@@ -11,7 +11,7 @@ buffer and decrypts it into the row (:func:`~tierkv.records.format.sealed_none_o
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,7 +23,8 @@ from tierkv.records.format import FIXED_HEADER_LEN, TAG_LEN, TRAILER_LEN, none_h
 from tierkv.records.outcomes import ABSENT, Damaged, Found, RecordRead, Refused
 from tierkv.records.verdicts import NOT_OURS
 
-__all__ = ["RECORD_OVERHEAD", "Heads", "RecordSource", "SpecialFile", "none_heads", "read_into"]
+__all__ = ["RECORD_OVERHEAD", "Heads", "RecordSource", "SpecialFile", "none_heads", "read_into",
+           "read_record"]
 
 #: a record is at most this much larger than its block (header, key, plane table, trailer)
 RECORD_OVERHEAD = 64 << 10
@@ -69,13 +70,18 @@ def none_heads(keys: Sequence[bytes], fingerprint: str, block_bytes: int, elem_s
     return heads
 
 
-def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fingerprint: str,
-              ring: KeyRing | None = None) -> RecordRead:
-    """Read ``key``'s record from ``src`` into ``row`` and verify it (in a worker thread for local
-    files). ``heads`` (:func:`none_heads`, empty when the tier's codec is not ``none``; with the
-    ring's current key id when ``ring`` is given) enables the in-place read; the spare byte after
-    the trailer catches longer files. Returns :class:`Found`, :data:`ABSENT`, :class:`Damaged`
-    or :class:`Refused` (a sound record this reader may not serve)."""
+def read_record(keys: Sequence[bytes], rows: Sequence[np.ndarray], heads: Heads, fingerprint: str,
+                ring: KeyRing | None, landed: Callable[[int], None] | None, i: int,
+                src: RecordSource) -> RecordRead:
+    """Read record ``i`` (``keys[i]``) from ``src`` into ``rows[i]`` and verify it (in a worker
+    thread for local files), then tell ``landed(i)`` when it was: the job a tier hands its driver
+    per record, its first six arguments bound (:func:`functools.partial`).
+
+    ``heads`` (:func:`none_heads`, empty when the tier's codec is not ``none``; with the ring's
+    current key id when ``ring`` is given) enables the in-place read; the spare byte after the
+    trailer catches longer files. Returns :class:`Found`, :data:`ABSENT`, :class:`Damaged` or
+    :class:`Refused` (a sound record this reader may not serve)."""
+    key, row = keys[i], rows[i]
     try:
         if heads:
             fixed, pad = heads[len(key)]
@@ -86,6 +92,8 @@ def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fing
                 if got is None:
                     return ABSENT
                 if none_parts_match(expected, head, row, tail, got):
+                    if landed is not None:
+                        landed(i)
                     return Found(got)
             else:
                 sealed = _read_buffer(row.size + TAG_LEN, "sealed")
@@ -93,6 +101,8 @@ def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fing
                 if got is None:
                     return ABSENT
                 if sealed_none_open(expected, head, sealed, tail, got, ring, row):
+                    if landed is not None:
+                        landed(i)
                     return Found(got)
         data = src.read_all(_read_buffer(row.size + RECORD_OVERHEAD + 1))
     except SpecialFile:
@@ -103,4 +113,12 @@ def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fing
         decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.size, out=row, keys=ring)
     except CorruptRecord as exc:
         return Refused(exc.reason) if exc.reason in NOT_OURS else Damaged(exc.reason)
+    if landed is not None:
+        landed(i)
     return Found(data.nbytes)
+
+
+def read_into(key: bytes, row: np.ndarray, heads: Heads, src: RecordSource, fingerprint: str,
+              ring: KeyRing | None = None) -> RecordRead:
+    """Read ``key``'s record from ``src`` into ``row`` and verify it (:func:`read_record` of one)."""
+    return read_record([key], [row], heads, fingerprint, ring, None, 0, src)

@@ -58,8 +58,8 @@ from tierkv.backends.namespace import (
 from tierkv.errors import BackendError, BackendNotFound, ConfigError, TierUnavailable, unavailable
 from tierkv.records import encode_record_parts
 from tierkv.records.encryption import KeyRing
-from tierkv.records.outcomes import Failed, Found, RecordRead, Skipped, Written
-from tierkv.records.read import RECORD_OVERHEAD, Heads, RecordSource, none_heads, read_into
+from tierkv.records.outcomes import Failed, Skipped, Written
+from tierkv.records.read import RECORD_OVERHEAD, none_heads, read_record
 from tierkv.records.verdicts import Refusals, sort_reads
 from tierkv.tensors import as_bytes
 
@@ -305,7 +305,7 @@ class FsspecTier(Tier):
                      if self.cfg.codec == "none" else {})
             paths = [self.path(k) for k in keys]
 
-            job = functools.partial(_read_one, keys, np_out, heads, fp, ring, landed)
+            job = functools.partial(read_record, keys, np_out, heads, fp, ring, landed)
 
             inplace = None  # reader processes verify unencrypted records only
             if heads and ring is None and self.driver.reads_in_place():
@@ -412,13 +412,3 @@ def _views(t: torch.Tensor, rows: Sequence[int]) -> list[Any]:
     """Rows ``rows`` of a ``[n, block_bytes]`` CPU byte tensor, as numpy views (no copy)."""
     whole = t.numpy()
     return [whole[r] for r in rows]
-
-
-def _read_one(keys: Sequence[bytes], rows: Any, heads: Heads, fp: str, ring: KeyRing | None,
-              landed: RowLanded | None, i: int, src: RecordSource) -> RecordRead:
-    """Read record ``i`` into ``rows[i]`` and verify it (:func:`read_into`); then ``landed(i)``
-    when it was verified."""
-    verdict = read_into(keys[i], rows[i], heads, src, fp, ring)
-    if landed is not None and isinstance(verdict, Found):
-        landed(i)
-    return verdict
