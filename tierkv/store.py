@@ -265,7 +265,7 @@ class TieredStore:
         _, keys = self._keys(group, hashes)
         parts = self._wired()
         with _asking(parts.admission, request_id) as req:
-            states = parts.resolver.states(group, keys, req)
+            states = parts.keys.states(group, keys, req)
         for st in states:
             self._lookups[st.lookup.value] += 1
         return states

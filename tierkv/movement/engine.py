@@ -29,6 +29,7 @@ from tierkv.blocks.pool import SlotPool, SlotState
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
+from tierkv.movement.keystates import KeyLookups
 from tierkv.movement.lookup import KeyState, Lookup, Resolver
 
 __all__ = ["EngineSlots", "EvictionListener", "Reservation", "pool_for"]
@@ -58,7 +59,8 @@ class EngineSlots:
     """The slot API of one store (``store.engine``); see the module docstring."""
 
     def __init__(self, *, lock: threading.RLock, layout: Layout, ledger: BlockLedger,
-                 admission: Admission, resolver: Resolver, check_open: Callable[[], None],
+                 admission: Admission, resolver: Resolver, keys: KeyLookups,
+                 check_open: Callable[[], None],
                  committed: Callable[[int, list[bytes], list[int]], None]) -> None:
         self._lock = lock
         self._layout = layout
@@ -66,6 +68,7 @@ class EngineSlots:
         self._pools = ledger.pools
         self._admission = admission
         self._resolver = resolver
+        self._keys = keys
         self._check_open = check_open
         self._committed = committed
         self._listeners: list[EvictionListener] = []
@@ -106,7 +109,7 @@ class EngineSlots:
         if s is not None and pool.state[s] is SlotState.READY:
             self._admission.pin(req, group, key, s)
             if req.runs:
-                self._resolver.restored(req, group, key)
+                self._keys.restored(req, group, key)
             return KeyState.READY
         if req.pending.gave_up:
             return KeyState.MISS
@@ -115,7 +118,7 @@ class EngineSlots:
             # while the restore runs, and this answer must cost next to nothing (it holds the GIL)
             state = KeyState.PROMOTING if key in self._ledger.promoting else KeyState.STORING
         else:
-            state = self._resolver.states(group, [key], req)[0]
+            state = self._keys.states(group, [key], req)[0]
         if state.lookup is Lookup.PENDING:
             now = self._admission.clock()
             if req.pending.since is None:

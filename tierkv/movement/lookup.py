@@ -19,7 +19,7 @@ from tierkv.blocks.pool import SlotState
 from tierkv.blocks.prefix import needed_blocks
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.layout import Layout
-from tierkv.movement.costmodel import CostModel, RestoreRun
+from tierkv.movement.costmodel import CostModel
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.promotion import Promoter
 from tierkv.observing.metrics import Histogram
@@ -101,6 +101,8 @@ class Resolver:
         self.promoting: Collection[bytes] = ledger.promoting
         self._tails = {g: g.to_bytes(GROUP_BYTES, "big") for g in layout.cacheable_groups}
         self._full = [g for g in layout.cacheable_groups if layout.groups[g].kind == "full"]
+        #: the prefix-cacheable groups of full attention
+        self.full_groups = self._full
         self._other = [g for g in layout.cacheable_groups if layout.groups[g].kind != "full"]
         self._capacity = {g: p.num_slots for g, p in pools.items()}
 
@@ -132,107 +134,6 @@ class Resolver:
         if s is not None:
             return _READY if pool.state[s] is SlotState.READY else _WRITING
         return self.locate(group, key, now, work)
-
-    # ---- per block ------------------------------------------------------------------------------
-    def states(self, group: int, keys: list[bytes], req: Request) -> list[KeyState]:
-        """Per key: its :class:`KeyState`; HIT and PENDING blocks are pinned for ``req``, and the
-        promotions and probes the answer counts on are started."""
-        pool = self.pools[group]
-        work = Work()
-        now = time.monotonic()
-        out: list[KeyState] = []
-        promos: list[Want] = []
-        promo_pos: list[int] = []
-        admission = self.admission
-        weigh = self.cost.active and group in self._full
-        block_bytes = self.layout.groups[group].block_bytes
-        for i, k in enumerate(keys):
-            s = pool.index.get(k)
-            if s is not None:
-                if pool.state[s] is SlotState.READY:
-                    out.append(KeyState.READY)
-                else:
-                    out.append(KeyState.PROMOTING if k in self.promoting else KeyState.STORING)
-                admission.pin(req, group, k, s)
-                continue
-            st = self.locate(group, k, now, work)
-            if _TIER <= st < _MAYBE:
-                verdict = self._weigh_run(req, group, k, st - _TIER, block_bytes, now) if weigh else True
-                if verdict is None:
-                    out.append(KeyState.QUEUED)  # its run is being counted: asked again later
-                    continue
-                if verdict is False:
-                    out.append(KeyState.MISS)  # recomputing it is faster
-                    continue
-                if verdict is not True:  # the run was just decided: its earlier blocks too
-                    for ek, et in verdict:
-                        if ek not in pool.index:
-                            promos.append((ek, et))
-                            promo_pos.append(-1)
-                out.append(KeyState.PROMOTING)
-                promos.append((k, st - _TIER))
-                promo_pos.append(i)
-            else:
-                out.append(KeyState.MISS if st == _ABSENT else KeyState.PROBING)
-        if promos:
-            room = max(0, pool.num_slots - admission.pinned_in(req, group))
-            for i in promo_pos[room:]:
-                if i >= 0:
-                    out[i] = KeyState.MISS
-            if room:
-                started = admission.admit(req, {group: promos[:room]})
-                if started is None:
-                    late = KeyState.MISS if admission.mode == "naive" else KeyState.QUEUED
-                    for i in promo_pos[:room]:
-                        if i >= 0:
-                            out[i] = late
-                else:
-                    work.promotions += started
-        self.promoter.start(work.promotions, work.probes)
-        return out
-
-    def _weigh_run(self, req: Request, group: int, key: bytes, tier: int, block_bytes: int,
-                   now: float) -> bool | list[tuple[bytes, int]] | None:
-        """The cost model's answer for a block on lower tier ``tier`` of the request's run of such
-        blocks (:class:`~tierkv.movement.costmodel.RestoreRun`): False: recompute it; True: load it; None:
-        not decided yet (the run is counted on); a list: just decided to load the run, these are
-        its blocks asked before this one."""
-        cost = self.cost
-        run = req.runs.get(group)
-        if run is None:
-            run = req.runs[group] = RestoreRun()
-        gw = self.gateways[tier]
-        rate = gw.planning_rate(now)
-        if run.verdict is not None:
-            worth = run.verdict and cost.worth_loading(block_bytes, rate)
-            if worth and run.started is not None and key not in run.keys:
-                # promoted with the run: its wait ends once this block is READY too
-                run.keys[key] = tier
-                run.last = key
-                run.read_s += block_bytes / max(rate, 1.0)
-            return worth
-        again = key in run.keys  # the engine's scan of the request restarted: the run is complete
-        if not again:
-            run.keys[key] = tier
-        n = len(run.keys)
-        fixed = max(cost.fixed_s(t) for t in set(run.keys.values()))
-        verdict = cost.run_verdict(n, block_bytes, rate, fixed, again)
-        if verdict is None:
-            return None
-        run.verdict = verdict
-        if not verdict:
-            return False
-        run.started, run.tier, run.last = now, tier, next(reversed(run.keys))
-        run.read_s = n * block_bytes / max(rate, 1.0)
-        return [(k, t) for k, t in run.keys.items() if k != key]
-
-    def restored(self, req: Request, group: int, key: bytes) -> None:
-        """``key`` was answered READY for ``req``: when it ends the wait of the request's run, the
-        wait beyond the run's read time is its tier's fixed restore cost."""
-        run = req.runs.get(group)
-        if run is not None and run.started is not None and key == run.last:
-            self.cost.observe_fixed(run.tier, time.monotonic() - run.started - run.read_s)
-            run.started = None
 
     # ---- prefixes -------------------------------------------------------------------------------
     def _version(self) -> int:
@@ -419,7 +320,7 @@ class Resolver:
         if known == 0:
             return PrefixLookup(0, Lookup.PENDING if maybe else Lookup.MISS), work, probing
         if self.cost.active:
-            chosen = self._by_cost(known, resident, status)
+            chosen = _cut_by_cost(self, known, resident, status)
             if chosen < known:
                 known = maybe = chosen  # the rest is recomputed: nothing to wait for there
                 if known == 0:
@@ -463,46 +364,6 @@ class Resolver:
         state = Lookup.HIT if all_ready and maybe == known else Lookup.PENDING
         return PrefixLookup(known, state), work, probing
 
-    def _by_cost(self, usable: int, resident: Mapping[int, list[int | None]],
-                 status: Callable[[int, int], int]) -> int:
-        """The prefix length worth loading, by :class:`~tierkv.movement.costmodel.CostModel`."""
-        gws = self.gateways
-        now = time.monotonic()
-        rate = [gw.planning_rate(now) for gw in gws]
-        first_use: dict[int, int] = {}
-
-        def cost(g: int, i: int, k: int) -> float:
-            st = status(g, i)
-            if st < _TIER:
-                return 0.0
-            p = st - (_MAYBE if st >= _MAYBE else _TIER)
-            first_use.setdefault(p, k)
-            return self.layout.groups[g].block_bytes / rate[p]
-
-        full = [0.0] * usable
-        any_load = False
-        for g in self._full:
-            slots = resident[g]
-            for i in range(usable):
-                if i < len(slots) and slots[i] is not None:
-                    continue
-                c = cost(g, i, i + 1)
-                full[i] += c
-                any_load = any_load or c > 0
-
-        def other(k: int) -> float:
-            return sum(cost(g, i, k) for g in self._other for i in self.layout.groups[g].blocks_needed(k))
-
-        if not any_load and not other(usable):
-            return usable
-
-        def queue(k: int) -> float:
-            # the loads queued ahead on each tier used, and its fixed wait, once per request
-            return sum(gws[p].load_backlog_bytes / rate[p] + self.cost.fixed_s(p)
-                       for p, first in first_use.items() if first <= k)
-
-        return self.cost.choose(usable, full, other, queue).blocks
-
     def _may_guess(self, k: int, status: Callable[[int, int], int]) -> bool:
         """Whether the blocks a prefix of ``k`` needs that are not resident all sit on lower tiers
         (known or maybe) and fit in each pool's free slots (no eviction for a guess)."""
@@ -541,3 +402,45 @@ class Resolver:
         if len(need) > self._capacity[g]:
             return False
         return all(has(g, i) for i in need)  # type: ignore[operator]
+
+
+def _cut_by_cost(r: Resolver, usable: int, resident: Mapping[int, list[int | None]],
+                 status: Callable[[int, int], int]) -> int:
+    """The prefix length worth loading for ``r``'s lookup, by the cost model
+    (:class:`~tierkv.movement.costmodel.CostModel`)."""
+    gws = r.gateways
+    now = time.monotonic()
+    rate = [gw.planning_rate(now) for gw in gws]
+    first_use: dict[int, int] = {}
+
+    def cost(g: int, i: int, k: int) -> float:
+        st = status(g, i)
+        if st < _TIER:
+            return 0.0
+        p = st - (_MAYBE if st >= _MAYBE else _TIER)
+        first_use.setdefault(p, k)
+        return r.layout.groups[g].block_bytes / rate[p]
+
+    full = [0.0] * usable
+    any_load = False
+    for g in r._full:
+        slots = resident[g]
+        for i in range(usable):
+            if i < len(slots) and slots[i] is not None:
+                continue
+            c = cost(g, i, i + 1)
+            full[i] += c
+            any_load = any_load or c > 0
+
+    def other(k: int) -> float:
+        return sum(cost(g, i, k) for g in r._other for i in r.layout.groups[g].blocks_needed(k))
+
+    if not any_load and not other(usable):
+        return usable
+
+    def queue(k: int) -> float:
+        # the loads queued ahead on each tier used, and its fixed wait, once per request
+        return sum(gws[p].load_backlog_bytes / rate[p] + r.cost.fixed_s(p)
+                   for p, first in first_use.items() if first <= k)
+
+    return r.cost.choose(usable, full, other, queue).blocks

@@ -18,6 +18,7 @@ from tierkv.movement.cascade import Cascader
 from tierkv.movement.costmodel import CostModel
 from tierkv.movement.engine import EngineSlots
 from tierkv.movement.gateway import TierGateway
+from tierkv.movement.keystates import KeyLookups
 from tierkv.movement.lookup import Resolver
 from tierkv.movement.promotion import Promoter
 from tierkv.movement.reader import Reader
@@ -29,8 +30,8 @@ __all__ = ["Parts"]
 @dataclass(frozen=True)
 class Parts:
     """Who does what in an open store: admission and the ledger (the block's life in the primary),
-    the resolver (lookups), the promoter, the cascader, the reader (``get``, ``borrow``) and the
-    engine slot API, over ``pools`` and one gateway per lower tier."""
+    the resolver (prefix lookups) and per-key lookups, the promoter, the cascader, the reader
+    (``get``, ``borrow``) and the engine slot API, over ``pools`` and one gateway per lower tier."""
 
     pools: Mapping[int, SlotPool]
     gateways: list[TierGateway]
@@ -39,6 +40,7 @@ class Parts:
     cascader: Cascader
     promoter: Promoter
     resolver: Resolver
+    keys: KeyLookups
     engine: EngineSlots
     reader: Reader
     primary_stats: TierStats
@@ -55,13 +57,14 @@ class Parts:
         cascader = Cascader(bridge, ledger, gateways)
         promoter = Promoter(bridge, ledger, gateways)
         resolver = Resolver(layout, ledger, gateways, admission, promoter, cost)
+        keys = KeyLookups(resolver)
         committed: list[Callable[[int, list[bytes], list[int]], None]] = []
         engine = EngineSlots(lock=bridge.lock, layout=layout, ledger=ledger, admission=admission,
-                             resolver=resolver, check_open=check_open,
+                             resolver=resolver, keys=keys, check_open=check_open,
                              committed=lambda g, keys, slots: committed[0](g, keys, slots))
         reader = Reader(bridge=bridge, ledger=ledger, admission=admission, gateways=gateways,
                         promoter=promoter, stats=primary_stats)
-        parts = cls(pools, gateways, admission, ledger, cascader, promoter, resolver, engine, reader,
+        parts = cls(pools, gateways, admission, ledger, cascader, promoter, resolver, keys, engine, reader,
                     primary_stats, counts)
         committed.append(parts.committed)
         ledger.subscribe(parts.admit_queued)
