@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.blocks.admission import Admission, Promotion
+from tierkv.blocks.ledger import BlockLedger
 from tierkv.blocks.pool import SlotPool
 from tierkv.errors import InvalidArgument
 
@@ -27,7 +28,9 @@ class Clock:
 def setup(full: int = 8, rec: int = 2, mode: str = "queue") -> tuple[Admission, dict[int, SlotPool], Clock]:
     pools = {FULL: SlotPool(FULL, 16, full), REC: SlotPool(REC, 32, rec)}
     clock = Clock()
-    return Admission(pools, mode, clock=clock), pools, clock  # type: ignore[arg-type]
+    admission = Admission(pools, mode, clock=clock)  # type: ignore[arg-type]
+    BlockLedger(pools, admission, lambda ev: ev.set())  # the writer of the pools' slots
+    return admission, pools, clock
 
 
 def land(pools: dict[int, SlotPool], promos: list[Promotion]) -> None:

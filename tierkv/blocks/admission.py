@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 
@@ -31,7 +31,7 @@ from tierkv.errors import InvalidArgument
 if TYPE_CHECKING:
     from tierkv.movement.costmodel import RestoreRun
 
-__all__ = ["Admission", "PendingClock", "PrefixMemo", "Promotion", "Request", "Want"]
+__all__ = ["Admission", "PendingClock", "PrefixMemo", "Promotion", "Request", "SlotWriter", "Want"]
 
 log = logging.getLogger("tierkv")
 
@@ -110,12 +110,30 @@ class Promotion:
                 req.memo.stale = True
 
 
+class SlotWriter(Protocol):
+    """What admission asks of the one writer of the primary's slots (the store's
+    :class:`~tierkv.blocks.ledger.BlockLedger`): every pin, unpin, allocation and abandoned write."""
+
+    def allocate_pinned(self, group: int, keys: list[bytes]) -> tuple[list[int], list[int]]: ...
+
+    def pin_slots(self, group: int, slots: list[int]) -> None: ...
+
+    def unpin_key(self, group: int, key: bytes) -> None: ...
+
+    def unpin_keys(self, group: int, keys: list[bytes]) -> None: ...
+
+    def abandon_slot(self, group: int, slot: int, token: int) -> bool: ...
+
+
 class Admission:
-    """Requests, pins and the admission queue over a store's primary pools."""
+    """Requests, pins and the admission queue over a store's primary pools. It reads the pools; its
+    changes to their slots (pins, allocations) are made by ``slots``, the ledger, which attaches
+    itself on creation."""
 
     def __init__(self, pools: Mapping[int, SlotPool], mode: Literal["queue", "naive"] = "queue",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pools = pools
+        self.slots: SlotWriter | None = None
         self.mode = mode
         self.clock = clock
         self.requests: dict[str, Request] = {}
@@ -157,11 +175,16 @@ class Admission:
         for key in list(req.pins):
             self.unpin(req, key)
 
+    def _writer(self) -> SlotWriter:
+        if self.slots is None:
+            raise RuntimeError("admission has no slot writer: create the BlockLedger over it")
+        return self.slots
+
     def pin(self, req: Request | None, group: int, key: bytes, slot: int) -> None:
         """``req`` needs ``key`` (in ``slot``) to stay until it loads it or is released."""
         if req is None or key in req.pins:
             return
-        self.pools[group].pin(slot)
+        self._writer().pin_slots(group, [slot])
         req.pins[key] = group
 
     def pin_many(self, req: Request, group: int, keys: list[bytes], slots: list[int]) -> None:
@@ -172,7 +195,7 @@ class Admission:
         """
         pins = req.pins
         if not pins:
-            self.pools[group].pin_many(slots)
+            self._writer().pin_slots(group, slots)
             req.pins = dict.fromkeys(keys, group)
             return
         new = [i for i, k in enumerate(keys) if k not in pins]
@@ -181,32 +204,27 @@ class Admission:
         if len(new) < len(keys):
             keys = [keys[i] for i in new]
             slots = [slots[i] for i in new]
-        self.pools[group].pin_many(slots)
+        self._writer().pin_slots(group, slots)
         pins.update(dict.fromkeys(keys, group))
 
     def unpin(self, req: Request, key: bytes) -> None:
         """``req`` no longer needs ``key``."""
         group = req.pins.pop(key, None)
-        if group is None:
-            return
-        pool = self.pools[group]
-        s = pool.slot_of(key)
-        if s is not None:
-            pool.unpin(s)
-            pool.touch(key)
+        if group is not None:
+            self._writer().unpin_key(group, key)
 
     def unpin_many(self, req: Request, group: int, keys: Sequence[bytes]) -> None:
         """:meth:`unpin` of many keys of one group."""
         pins = req.pins
         held = [k for k in keys if pins.pop(k, None) is not None]
         if held:
-            self.pools[group].unpin_keys(held)
+            self._writer().unpin_keys(group, held)
 
     def abandon(self, group: int, key: bytes, slot: int, token: int) -> bool:
         """A write into ``slot`` (allocation ``token``, holding ``key``) failed: free the slot and
         forget every pin on ``key``. False, and nothing changes, when the slot is no longer that
         write's (a later allocation holds it: its pins are its own)."""
-        if not self.pools[group].abandon([slot], [token])[0]:
+        if not self._writer().abandon_slot(group, slot, token):
             return False
         for req in self.requests.values():
             req.pins.pop(key, None)
@@ -229,7 +247,7 @@ class Admission:
             for key, group in pins.items():
                 by_group[group].append(key)
         for group, keys in by_group.items():
-            self.pools[group].unpin_keys(keys)
+            self._writer().unpin_keys(group, keys)
         return True
 
     def expired(self, lease_s: float) -> list[str]:
@@ -343,15 +361,10 @@ class Admission:
         for g, items in wants.items():
             if not items:
                 continue
-            pool = self.pools[g]
             keys = [k for k, _ in items]
-            got = pool.allocate(keys)
-            assert got is not None, "admission checked availability"
-            slots = got[0]
-            tokens = pool.tokens(slots)
+            slots, tokens = self._writer().allocate_pinned(g, keys)
             owner = req if req.named else None
-            # the keys are new to the pool, so no request pins them yet
-            pool.pin_many(slots)
+            # the keys are new to the pool, so no request pinned them before
             req.pins.update(dict.fromkeys(keys, g))
             tiers = {tier for _, tier in items}
             if len(tiers) == 1:

@@ -90,6 +90,7 @@ class BlockLedger:
                  set_event: Callable[[anyio.Event], None]) -> None:
         self.pools = pools
         self.admission = admission
+        admission.slots = self
         self._set_event = set_event
         #: whether changes are announced (the store is open)
         self.open = False
@@ -295,6 +296,41 @@ class BlockLedger:
         self.pools[group].touch_many(keys)
 
     # ---- pins -----------------------------------------------------------------------------------
+    def allocate_pinned(self, group: int, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """Slots (WRITING, pinned) for ``keys``, new to the pool, and their allocation tokens (the
+        caller checked they are available)."""
+        pool = self.pools[group]
+        got = pool.allocate(keys)
+        assert got is not None, "admission checked availability"
+        slots = got[0]
+        pool.pin_many(slots)
+        return slots, pool.tokens(slots)
+
+    def pin_slots(self, group: int, slots: list[int]) -> None:
+        """A request or call pins ``slots``: neither evicted nor rewritten until unpinned."""
+        pool = self.pools[group]
+        if len(slots) == 1:
+            pool.pin(slots[0])
+        else:
+            pool.pin_many(slots)
+
+    def unpin_key(self, group: int, key: bytes) -> None:
+        """A request is done with ``key``: its pin goes, and the use counts for its recency."""
+        pool = self.pools[group]
+        s = pool.slot_of(key)
+        if s is not None:
+            pool.unpin(s)
+            pool.touch(key)
+
+    def unpin_keys(self, group: int, keys: list[bytes]) -> None:
+        """:meth:`unpin_key` of many keys of one group, at once."""
+        self.pools[group].unpin_keys(keys)
+
+    def abandon_slot(self, group: int, slot: int, token: int) -> bool:
+        """A write into ``slot`` (allocation ``token``) failed: free it, unless a later allocation
+        holds it now (False, nothing changed)."""
+        return self.pools[group].abandon([slot], [token])[0]
+
     def pin_cascade(self, group: int, slots: Sequence[int]) -> None:
         """A cascade reads ``slots``: they stay until it ends."""
         pool, pins = self.pools[group], self._cascade_pins[group]
