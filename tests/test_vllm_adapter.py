@@ -22,7 +22,7 @@ NUM_BLOCKS = 64
 
 
 def offloading_config(tmp_path: Path, groups: list[tuple[int, int]], extra: dict[str, Any],
-                      engine: str) -> Any:
+                      engine: str, blocks_per_chunk: int = 1) -> Any:
     """An OffloadingConfig as vLLM builds it: only offloaded groups, original group ids."""
     return vcfg.OffloadingConfig(
         groups=tuple(vcfg.OffloadingGroupConfig(tokens_per_block=tpb,
@@ -33,7 +33,7 @@ def offloading_config(tmp_path: Path, groups: list[tuple[int, int]], extra: dict
                       "tiers": [{"kind": "fsspec", "url": f"file://{tmp_path / 'tier'}"}],
                       "manifest_timeout_s": 0.0, **extra},
         engine_id=engine, model=vcfg.OffloadingModelConfig(name="tiny", dtype="bfloat16"),
-        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=vcfg.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
                                                dcp_size=1, data_parallel_index=0, data_parallel_size=1,
                                                data_parallel_rank_local=None, is_parallelism_agnostic=True))
@@ -53,9 +53,9 @@ class Engine:
     """Spec, worker and manager wired as vLLM wires them (worker first)."""
 
     def __init__(self, tmp_path: Path, groups: list[tuple[int, int]], extra: dict[str, Any] | None = None,
-                 engine: str = "engine-a", device: str = "cpu") -> None:
+                 engine: str = "engine-a", device: str = "cpu", blocks_per_chunk: int = 1) -> None:
         os.makedirs(tmp_path / "shm", exist_ok=True)
-        self.cfg = offloading_config(tmp_path, groups, extra or {}, engine)
+        self.cfg = offloading_config(tmp_path, groups, extra or {}, engine, blocks_per_chunk)
         self.caches, self.gpu = kv_caches(len(groups), device)
         self.worker = TierKVOffloadingSpec(self.cfg).get_worker(self.caches)
         self.spec = TierKVOffloadingSpec(self.cfg)
@@ -128,6 +128,35 @@ def test_store_then_load_round_trips_the_bytes(engine: Engine) -> None:
     dst = [40, 41, 42, 43, 44, 45]
     engine.load(keys, dst, [3, 3], ctx("r2"))
     assert torch.equal(engine.gpu[dst], want)
+
+
+def test_an_offloaded_block_of_two_engine_blocks_round_trips_and_loads_from_inside_a_chunk(
+        tmp_path: Path) -> None:
+    e = Engine(tmp_path, [(0, 16)], blocks_per_chunk=2)
+    try:
+        keys = [key(0, 0), key(1, 0)]  # two offloaded blocks: engine blocks 1, 2 and 3, 4
+        want = e.gpu[[1, 2, 3, 4]].clone()
+        out = e.store(keys, [1, 2, 3, 4], [4], ctx("r1"))
+        assert out.keys_to_store == keys
+        assert [e.manager.lookup(k, ctx("r2")) for k in keys] == [LookupResult.HIT] * 2
+        # a load that starts at the chunk's second engine block (vLLM's block_indices)
+        spec = e.manager.prepare_load(keys, ctx("r2"))
+        assert e.worker.submit_load(99, spec, base.GPULoadStoreSpec([41, 42, 43], [3], [1]))
+        e.worker.wait({99})
+        assert torch.equal(e.gpu[[41, 42, 43]], want[1:])
+        e.manager.complete_load(keys, ctx("r2"))
+        # a store must cover whole offloaded blocks: half of one would keep another block's bytes
+        half = e.manager.prepare_store([key(5, 0)], ctx("r3"))
+        with pytest.raises(RuntimeError, match="whole chunks"):
+            e.worker.submit_store(100, base.GPULoadStoreSpec([7], [1], [0]), half.store_spec)
+    finally:
+        e.close()
+
+
+def test_an_offloaded_block_of_two_engine_blocks_is_refused_with_a_recurrent_group(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="full attention"):
+        Engine(tmp_path, [(0, 16), (2, 16)], {"group_kinds": {"2": "recurrent"}}, engine="chunked",
+               blocks_per_chunk=2)
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

@@ -92,6 +92,27 @@ def test_prefix_restored_by_tierkv_in_a_real_engine(model: str, models_dir: str,
     assert not victim.exists() or victim.read_bytes() != bytes(data), "the corrupt record must be gone"
 
 
+def test_an_offloaded_block_of_two_engine_blocks_restores_after_a_reset_and_a_restart(
+        models_dir: str, tmp_path: Path) -> None:
+    """vLLM's ``block_size`` setting (here 64 tokens: 2 engine blocks of 32) is one tierkv block of
+    both engine blocks, one record each on disk; restored whole, token for token."""
+    base = {"model": "llama", "url": f"file://{tmp_path / 'tier'}", "prompt_len": 200, "max_model_len": 1024,
+            "extra": {"block_size": 64}}
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ev = run(models_dir, shm, **base, steps=["run1", "run2", "reset", "run3"])
+    first, third = gen(ev, "run1"), gen(ev, "run3")
+    own = gen(ev, "run2")["num_cached_tokens"]
+    assert first["num_cached_tokens"] == 0 and own >= 192
+    assert third["num_cached_tokens"] == own - own % 64 >= 128  # whole offloaded blocks only
+    same_output(first, third)
+    records = sorted((tmp_path / "tier").rglob("*.tkv"))
+    assert 0 < len(records) <= own // 64, "one record per two engine blocks"
+    ev = run(models_dir, shm, **base, steps=["run1"], multiprocessing=True)
+    assert gen(ev, "run1")["num_cached_tokens"] == third["num_cached_tokens"]
+    same_output(first, gen(ev, "run1"))
+
+
 def test_concurrent_restores_through_a_small_recurrent_pool(models_dir: str, tmp_path: Path) -> None:
     """Four requests restore from disk at once; each of the three GDN groups has 2 CPU slots."""
     m = MODELS["qwen3next"]

@@ -61,9 +61,6 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         # restored prefix may be that process's first AMX instruction (tierkv/adapters/vllm/cpu.py)
         self.amx = ensure_amx_permission()
         log.info("tierkv: AMX tile permission in process %d: %s", os.getpid(), self.amx)
-        if self.blocks_per_chunk != 1:
-            raise ConfigError("kv_connector_extra_config.blocks_per_chunk / block_size: tierkv stores one"
-                              " engine block per offload key; leave both unset")
         tpbs = {int(g.tokens_per_block) for g in config.groups}
         if len(tpbs) != 1:
             raise ConfigError(f"offloaded groups have different block sizes {sorted(tpbs)}: tierkv needs one")
@@ -101,13 +98,19 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     def _layout(self, block_bytes: dict[int, int]) -> Layout:
         s = self.settings
         infos = infer_group_info(self.config, self.chunk_tokens, s.group_kinds, s.window_blocks)
-        return build_layout(infos, self.chunk_tokens, block_bytes)
+        layout = build_layout(infos, self.chunk_tokens, block_bytes)
+        if self.blocks_per_chunk > 1 and any(g.kind != "full" for g in layout.groups):
+            kinds = sorted({g.kind for g in layout.groups})
+            raise ConfigError(f"kv_connector_extra_config.blocks_per_chunk / block_size: an offloaded block "
+                              f"of {self.blocks_per_chunk} engine blocks needs every offloaded group to be "
+                              f"full attention (this model has {kinds}); leave both unset")
+        return layout
 
     # ---- worker side -----------------------------------------------------------------------------
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """Measure block bytes, plan the pools, publish the manifest, map the shared pool."""
         copies = group_copies(kv_caches, self.group_ids)
-        block_bytes = {c.group_id: c.rank_bytes * self.world_size for c in copies}
+        block_bytes = {c.group_id: c.rank_bytes * self.world_size * self.blocks_per_chunk for c in copies}
         layout = self._layout(block_bytes)
         plan = plan_pools(self.settings.cpu_bytes_to_use, layout, self.settings.max_concurrent_requests,
                           self.settings.slots)
@@ -123,7 +126,7 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             os.replace(tmp, self.manifest_path)
         log.info("tierkv pools: %s", ", ".join(f"group {g.group} {g.kind}: {g.slots} x {g.block_bytes} B"
                                                for g in plan.groups))
-        return TierKVWorker(copies, pools, self.rank)
+        return TierKVWorker(copies, pools, self.rank, self.world_size, self.blocks_per_chunk)
 
     # ---- scheduler side --------------------------------------------------------------------------
     def _read_manifest(self) -> dict[str, Any] | None:

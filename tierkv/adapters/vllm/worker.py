@@ -2,7 +2,10 @@
 
 Block ``b`` of vLLM group position ``i`` is, per layer ref ``r`` of that group, the first
 ``r.page_size_bytes`` bytes of row ``b`` of ``kv_caches.tensors[r.tensor_idx]``. In tierkv's pool a
-block row holds, for each rank, its refs' pages one after the other.
+row holds one offloaded block: ``blocks_per_chunk`` engine blocks (vLLM's ``block_size`` /
+``blocks_per_chunk`` setting; 1 by default) one after the other, and each of them, for each rank,
+its refs' pages one after the other. Engine block ``j`` of a request sits in the row of its chunk
+``j // blocks_per_chunk`` at sub-block ``j % blocks_per_chunk``.
 
 The copies themselves are tierkv's :class:`~tierkv.transfer.DeviceTransfer` (batched, on a stream
 of their own on CUDA, ordered after the compute stream, timed by events); this module only maps
@@ -57,19 +60,24 @@ def group_copies(kv_caches: CanonicalKVCaches, group_ids: list[int]) -> list[Gro
 class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     """Transfers between the engine's KV caches and tierkv's pool; a transfer never fails."""
 
-    def __init__(self, copies: list[GroupCopy], pools: dict[int, torch.Tensor], rank: int = 0) -> None:
+    def __init__(self, copies: list[GroupCopy], pools: dict[int, torch.Tensor], rank: int = 0,
+                 world_size: int = 1, blocks_per_chunk: int = 1) -> None:
         self.copies = copies
         self.pools = pools
         self.rank = rank
+        self.world_size = world_size
+        self.blocks_per_chunk = blocks_per_chunk
         device = next((t.device for c in copies for t, _, _ in c.refs), torch.device("cpu"))
         self.transfer = DeviceTransfer(device)
         self.device = self.transfer.device
         self.cuda = self.transfer.cuda
         self.stream = self.transfer.stream
 
-    def _copies(self, gpu: GPULoadStoreSpec, ours: TierKVLoadStoreSpec) -> list[Copy]:
+    def _copies(self, gpu: GPULoadStoreSpec, ours: TierKVLoadStoreSpec, store: bool) -> list[Copy]:
         block_ids = torch.as_tensor(gpu.block_ids, dtype=torch.int64)
         sizes = [int(x) for x in gpu.group_sizes]
+        firsts = [int(x) for x in (getattr(gpu, "block_indices", None) or [0] * len(sizes))]
+        per = self.blocks_per_chunk
         out = []
         start = 0
         ours_groups = ours.groups.tolist()
@@ -80,21 +88,34 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
             gc = self.copies[pos]
             blocks = block_ids[start:start + n]
             start += n
-            slots = ours.slots[taken:taken + n]
-            if len(slots) != n or any(g != gc.group_id for g in ours_groups[taken:taken + n]):
+            skip = firsts[pos] % per  # a load may start inside its first chunk
+            chunks = -(-(skip + n) // per)
+            slots = ours.slots[taken:taken + chunks]
+            if len(slots) != chunks or any(g != gc.group_id for g in ours_groups[taken:taken + chunks]):
                 raise RuntimeError(f"transfer specs disagree for group {gc.group_id}: {n} engine blocks,"
-                                   f" tierkv slots {ours_groups[taken:taken + n]}")
-            taken += n
-            rows = torch.as_tensor(slots, dtype=torch.int64)
-            base = self.rank * gc.rank_bytes
+                                   f" tierkv slots {ours_groups[taken:taken + chunks]}")
+            if store and (skip or n % per):
+                # a stored row must be whole: part of it would keep another block's bytes
+                raise RuntimeError(f"group {gc.group_id}: a store of {n} engine blocks from block "
+                                   f"{firsts[pos]} does not cover whole chunks of {per}")
+            taken += chunks
             pool = self.pools[gc.group_id]
-            out += [Copy(t, blocks, page, pool, rows, base + off) for t, page, off in gc.refs]
+            sub_bytes = self.world_size * gc.rank_bytes
+            base = self.rank * gc.rank_bytes
+            for sub in range(per):
+                js = [j for j in range(n) if (skip + j) % per == sub]
+                if not js:
+                    continue
+                rows = torch.as_tensor([slots[(skip + j) // per] for j in js], dtype=torch.int64)
+                sel = blocks if per == 1 else blocks[torch.as_tensor(js, dtype=torch.int64)]
+                at = sub * sub_bytes + base
+                out += [Copy(t, sel, page, pool, rows, at + off) for t, page, off in gc.refs]
         return out
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         """Copy engine blocks into pool slots."""
         assert isinstance(dst_spec, TierKVLoadStoreSpec)
-        self.transfer.store(job_id, self._copies(src_spec, dst_spec))
+        self.transfer.store(job_id, self._copies(src_spec, dst_spec, store=True))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -105,7 +126,7 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         the CPU platform every load is done on return; on CUDA the engine calls ``wait`` for it.
         """
         assert isinstance(src_spec, TierKVLoadStoreSpec)
-        self.transfer.load(job_id, self._copies(dst_spec, src_spec))
+        self.transfer.load(job_id, self._copies(dst_spec, src_spec, store=False))
         return True
 
     def get_finished(self) -> list[TransferResult]:
