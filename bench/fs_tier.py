@@ -53,7 +53,7 @@ tier's ``io_threads`` (its request limiter), so all sides have the same concurre
 fetch the tier's own objects with ``_cat_file(path, max_concurrency=1)`` (one GET each; s3fs's
 default first sends a HEAD for the size, shown as an extra row). The tier rows use the client
 ``s3_client: auto`` picks (obstore where installed), plus ``conc`` rows with ``s3_client: s3fs``;
-each is shown as a ratio to raw s3fs and to the faster raw client of the run.
+each is shown as a ratio to raw s3fs, to the faster raw client of the run and to raw obstore.
 
 ``codec``: ``none``, ``zstd`` and ``zstd-shuffle`` through the tier on ``file://`` (``conc``), on
 bf16 data shaped like KV (bench/codec.py's model: per-channel scales, 2 % outlier channels, AR(1)
@@ -647,17 +647,21 @@ class S3Bench:
               f"({total / 1e6:,.0f} MB), codec none, "
               f"{a.io_threads or default_io_depth(local=False)} requests "
               f"in flight (io_threads) on both sides")
-        print(f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}{'x fastest':>12}")
+        obs = self.stores is not None
+        head = f"  {'':<44}{'MB/s':>10}{'x raw s3fs':>12}{'x fastest':>12}"
+        print(head + (f"{'x raw obs':>12}" if obs else ""))
         fig: dict[str, Any] = {}
         for names, raws in ((self.writes, RAW_PUTS), (self.reads, RAW_GETS)):
             fastest = max((r for r in raws if r in names), key=lambda r: s.mbs(r, total))
             for name in names:
                 r, f = s.ratio(name, raws[0]), s.ratio(name, fastest)
-                print(row(name, s.mbs(name, total), r, f))
+                o = (s.ratio(name, raws[1]),) if obs else ()
+                print(row(name, s.mbs(name, total), r, f, *o))
                 fig[name] = {"MBps": s.mbs(name, total), "x_raw": r, "x_fastest_raw": f,
-                             "fastest_raw": fastest}
+                             "fastest_raw": fastest} | ({"x_raw_obstore": o[0]} if obs else {})
         out["s3"] = fig
-        print("  (x fastest: to the faster of raw s3fs and raw obstore in this run)")
+        print("  (x fastest: to the faster of raw s3fs and raw obstore in this run; x raw obs: to raw "
+              "obstore, the same objects' PUTs / GETs)")
 
 
 # ---- codecs --------------------------------------------------------------------------------------

