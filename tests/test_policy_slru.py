@@ -280,3 +280,29 @@ def test_slru_is_never_worse_where_recency_is_all(capacity: int) -> None:
     lru = _replay(LRUPolicy(), capacity, reqs)
     slru = _replay(SLRUPolicy(capacity), capacity, reqs)
     assert slru >= lru * 0.999, (slru, lru)
+
+
+def test_touch_many_is_touch_of_each_key_in_order() -> None:
+    rng = random.Random(7)
+    a, b = SLRUPolicy(64, rate=2, period=16), SLRUPolicy(64, rate=2, period=16)
+    resident: list[bytes] = []
+    for _ in range(400):
+        new = [k(rng.randrange(300)) for _ in range(rng.randrange(1, 6))]
+        for key in new:
+            if key not in resident:
+                for p in (a, b):
+                    p.insert(key)
+                resident.append(key)
+        while len(resident) > 64:
+            v = a.victim(lambda _: True)
+            assert v == b.victim(lambda _: True)
+            assert v is not None
+            for p in (a, b):
+                p.remove(v)
+            resident.remove(v)
+        used = rng.sample(resident, min(len(resident), rng.randrange(1, 12)))
+        a.touch_many(used)
+        for key in used:
+            b.touch(key)
+        assert a.victims(64, lambda _: True) == b.victims(64, lambda _: True)
+        assert (a.share, a.switches) == (b.share, b.switches)

@@ -255,9 +255,27 @@ class SLRUPolicy:
             self._shadow(c)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        """:meth:`touch` of each key, in order."""
+        """:meth:`touch` of each key, in order (the same steps, with the lookups hoisted: a ``get``
+        touches every block it copies)."""
+        parents, prot, prob = self._parent, self._prot, self._prob
+        chains, burst, rate, crc32 = self.chains, self._burst, self.rate, zlib.crc32
         for key in keys:
-            self.touch(key)
+            parent = parents.get(key)
+            if parent is None:
+                continue
+            if chains:
+                if parent != self._prev:
+                    self._new_chain()
+                burst.append(key)
+            self._prev = hash(key)
+            if key in prot:
+                prot.move_to_end(key)
+            else:
+                del prob[key]
+                self._protect(key)
+            c = crc32(key)
+            if not c % rate:
+                self._shadow(c)
 
     def remove(self, key: bytes, evicted: bool = True) -> None:
         """Forget a key; an evicted one (not one freed on purpose) is remembered as a ghost."""
