@@ -537,5 +537,13 @@ def test_the_measured_prefill_rate_is_the_engines_not_the_offered_load() -> None
     assert rate is not None and 5120 / 1.2 <= rate <= 5120 * 1.2, rate
     meter.looked_up("gone")
     meter.preparing("gone", t)
-    meter.finished("gone")
-    assert meter.stored("gone", 10, now=t + 5) == rate  # forgotten: no interval of 5 s
+    meter.failed("gone")
+    assert meter.stored("gone", 10, now=t + 5) == rate  # its store failed: no interval of 5 s
+    for n in range(80):  # one output token: the request ends before its blocks are stored
+        meter.looked_up(f"c{n}")
+        meter.preparing(f"c{n}", t)
+        meter.finished(f"c{n}")
+        t += 160 / 2560  # a slower engine now: the meter follows it
+        rate = meter.stored(f"c{n}", 10, now=t)
+        t += 0.2
+    assert rate is not None and 2560 / 1.2 <= rate <= 2560 * 1.2, rate

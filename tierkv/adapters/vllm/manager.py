@@ -115,6 +115,11 @@ def _is_local(tier: dict[str, Any]) -> bool:
     return tier.get("kind") in ("memory", "cpu") or is_local_url(url)
 
 
+#: stores being timed at most (beyond, those older than OPEN_MAX_S are dropped)
+OPEN_MAX = 4096
+OPEN_MAX_S = 60.0
+
+
 class RateMeter:
     """The engine's prefill rate (tokens/s), timed while the engine computes.
 
@@ -151,11 +156,18 @@ class RateMeter:
         """The scheduler prepares a store of ``req_id``'s blocks that this step computes."""
         if req_id in self._looked:
             self._looked.discard(req_id)
+            if len(self._open) >= OPEN_MAX:  # stores that never completed (aborted requests)
+                for old in [r for r, t in self._open.items() if now - t > OPEN_MAX_S]:
+                    del self._open[old]
             self._open[req_id] = now
 
     def finished(self, req_id: str) -> None:
-        """Forget a request."""
+        """The request ended: no more lookups of it. A store of it in flight is still timed when
+        it completes (a request of one output token ends before its blocks are stored)."""
         self._looked.discard(req_id)
+
+    def failed(self, req_id: str) -> None:
+        """A store of ``req_id`` failed: it is not timed."""
         self._open.pop(req_id, None)
 
     def stored(self, req_id: str, blocks: int, now: float | None = None) -> float | None:
@@ -315,7 +327,7 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 if rate is not None and rate >= 1e-3:
                     self.store.set_recompute_rate(rate)
             else:
-                self._rate.finished(req_context.req_id)
+                self._rate.failed(req_context.req_id)
         for g, gkeys in self._by_tail(keys):
             self.engine.commit(g, gkeys, success=success)
             if success and self._events_on:
