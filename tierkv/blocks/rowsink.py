@@ -36,9 +36,9 @@ class RowSink:
 
     def __init__(self, out: torch.Tensor, keys: Sequence[bytes]) -> None:
         self._out = out
-        self._rows: dict[bytes, list[int]] = {}
-        for i, k in enumerate(keys):
-            self._rows.setdefault(k, []).append(i)
+        self._keys = keys
+        #: key -> its rows, built on the first fill (a get of resident blocks never needs it)
+        self._rows: dict[bytes, list[int]] | None = None
         self._filled = bytearray(len(keys))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -51,6 +51,10 @@ class RowSink:
         with self._lock:
             if not self._open:
                 return
+            if self._rows is None:
+                self._rows = {}
+                for i, k in enumerate(self._keys):
+                    self._rows.setdefault(k, []).append(i)
             rows = [i for i in self._rows.get(key, ()) if not self._filled[i]]
             if not rows:
                 return

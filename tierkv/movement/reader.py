@@ -94,7 +94,7 @@ class Reader:
         """Copy READY (and staged) rows out, but for those a reading thread filled already; the
         rows held by no slot, and events to wait for."""
         ready: list[int] = []
-        filled = 0
+        filled: list[bytes] = []  # rows a reading thread filled: only touched here
         absent: list[int] = []
         waits: dict[int, anyio.Event] = {}
         index, state = pool.index, pool.state
@@ -108,8 +108,7 @@ class Reader:
                     absent.append(i)
             elif state[s] is SlotState.READY:
                 if sink.filled(i):
-                    self._ledger.touch(pool.group, [keys[i]])
-                    filled += 1
+                    filled.append(keys[i])
                 else:
                     ready.append(i)
             else:
@@ -118,9 +117,11 @@ class Reader:
                 waits[i] = ev
         if ready:
             sink.copy_slots(ready, pool, [index[keys[i]] for i in ready])
-            self._ledger.touch(pool.group, [keys[i] for i in ready])
-        self._stats.hits += len(ready) + filled
-        self._stats.bytes_read += (len(ready) + filled) * pool.block_bytes
+        if ready or filled:
+            self._ledger.touch(pool.group, filled + [keys[i] for i in ready])
+        n = len(ready) + len(filled)
+        self._stats.hits += n
+        self._stats.bytes_read += n * pool.block_bytes
         return absent, waits
 
     def _promote(self, group: int, keys: list[bytes], rows: list[int], promoted: set[int],
