@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tierkv.errors import InvalidArgument
 
-__all__ = ["GROUP_BYTES", "check_hashes", "key_group", "make_key", "split_key"]
+__all__ = ["GROUP_BYTES", "check_hashes", "key_group", "make_key", "record_hashes", "split_key"]
 
 GROUP_BYTES = 4
 MAX_HASH_BYTES = 1024
@@ -65,3 +65,10 @@ def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
         seen.add(b)
         out.append(b)
     return out
+
+
+def record_hashes(hashes: list[bytes], per: int) -> list[bytes]:
+    """The hash that keys each whole record ``hashes`` covers, when one record holds ``per``
+    consecutive blocks and ``hashes[0]`` is a record's first block: the last hash of every run of
+    ``per`` (a trailing run shorter than ``per`` has none)."""
+    return hashes if per == 1 else hashes[per - 1::per]

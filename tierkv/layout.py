@@ -73,12 +73,17 @@ class Layout(BaseModel):
     """The ordered groups of a model plus ``tokens_per_block``.
 
     Group indices are positions in ``groups`` and are kept everywhere, scratch groups included.
+    ``blocks_per_record`` (default 1) is how many consecutive blocks of one prefix one record
+    holds: with ``N > 1`` the unit of storage (pool slot, record, eviction) is a chunk of ``N``
+    blocks keyed by its last block's hash, and every prefix-cacheable group must be ``full``
+    (docs/design.md, "Several blocks to a record").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokens_per_block: int
     groups: tuple[GroupSpec, ...]
+    blocks_per_record: int = 1
 
     def __init__(self, **data: object) -> None:
         try:
@@ -94,7 +99,27 @@ class Layout(BaseModel):
             raise ValueError("a layout needs at least one group")
         if not any(g.cacheable for g in self.groups):
             raise ValueError("a layout needs at least one prefix-cacheable group (not scratch)")
+        if self.blocks_per_record <= 0:
+            raise ValueError(f"blocks_per_record must be > 0, got {self.blocks_per_record}")
+        if self.blocks_per_record > 1:
+            others = [f"{i} ({g.kind})" for i, g in enumerate(self.groups)
+                      if g.cacheable and g.kind != "full"]
+            if others:
+                raise ValueError(f"blocks_per_record > 1 needs every prefix-cacheable group to be full "
+                                 f"attention (a sliding-window or recurrent state does not split into "
+                                 f"records of several blocks); groups {', '.join(others)} are not")
         return self
+
+    def record_layout(self) -> Layout:
+        """The layout whose blocks are this layout's records: ``tokens_per_block`` and every
+        group's ``block_bytes`` times ``blocks_per_record``, one block to a record. The pools,
+        lookups and tiers work in these units; it is this layout itself when ``N`` is 1."""
+        n = self.blocks_per_record
+        if n == 1:
+            return self
+        return Layout(tokens_per_block=self.tokens_per_block * n,
+                      groups=tuple(g.model_copy(update={"block_bytes": g.block_bytes * n})
+                                   for g in self.groups))
 
     @property
     def cacheable_groups(self) -> tuple[int, ...]:
@@ -119,8 +144,14 @@ class Layout(BaseModel):
         return spec
 
     def canonical_json(self) -> str:
-        """The layout as canonical JSON (sorted keys, no whitespace): the input of the fingerprint."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """The layout as canonical JSON (sorted keys, no whitespace): the input of the fingerprint.
+
+        ``blocks_per_record`` is left out when it is 1, so layouts from before it existed keep
+        their fingerprint (and their records)."""
+        doc = self.model_dump(mode="json")
+        if doc["blocks_per_record"] == 1:
+            del doc["blocks_per_record"]
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self, namespace: str = "") -> str:
         """A 32-hex-digit name for this layout within ``namespace`` (e.g. model name and dtype).

@@ -34,7 +34,7 @@ from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge, locked
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
-from tierkv.keys import GROUP_BYTES, check_hashes
+from tierkv.keys import GROUP_BYTES, check_hashes, record_hashes
 from tierkv.layout import Layout
 from tierkv.movement.availability import LowerTiers
 from tierkv.movement.costmodel import CostModel
@@ -46,7 +46,7 @@ from tierkv.movement.writer import place_blocks
 from tierkv.observing.events import ListenerThread, subscribe
 from tierkv.observing.exporter import start_metrics
 from tierkv.observing.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
-from tierkv.tensors import byte_rows
+from tierkv.tensors import byte_rows, row_span
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
@@ -60,17 +60,30 @@ class TieredStore:
     work (presence probes, promotions). ``put`` returns once the blocks are in the primary; the
     cascade to lower tiers runs in the background (``flush`` waits for it). The synchronous
     methods may be called from any thread while the store runs on its asyncio loop.
+
+    With ``layout.blocks_per_record = N > 1`` one record (pool slot, file, eviction) holds ``N``
+    consecutive blocks of a prefix, keyed by the last one's hash; ``put``, the lookups, ``get``
+    and ``borrow`` still take one hash and one row per block, and ``hashes`` must start at a
+    record's first block (a prefix from its start, or a slice at a multiple of ``N``). ``stats``,
+    :attr:`engine` and ``lend_slots`` count and name records (docs/design.md, "Several blocks to
+    a record").
     """
 
     def __init__(self, config: StoreConfig | Mapping[str, Any]) -> None:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
         self.layout: Layout = self.config.layout
         self.fingerprint = self.config.fingerprint
-        ctx = TierContext(layout=self.layout, namespace=self.config.namespace,
-                          fingerprint=self.fingerprint,
-                          max_concurrent_requests=self.config.max_concurrent_requests,
-                          policy=self.config.policy)
-        self._tiers: list[Tier] = [get_backend(tc.kind)(tc, ctx) for tc in self.config.tiers]
+        #: the layout of one record: the unit of the pools, the lookups and the cost model
+        self._units = self.layout.record_layout()
+        self._per = self.layout.blocks_per_record
+        ctxs = [TierContext(layout=layout, namespace=self.config.namespace, fingerprint=self.fingerprint,
+                            max_concurrent_requests=self.config.max_concurrent_requests,
+                            policy=self.config.policy)
+                for layout in (self._units, self.layout)]
+        # the primary sizes its slots by records; lower tiers name the layout as configured
+        # (their manifest's layout must hash to the fingerprint)
+        self._tiers: list[Tier] = [get_backend(tc.kind)(tc, ctxs[min(i, 1)])
+                                   for i, tc in enumerate(self.config.tiers)]
         primary = self._tiers[0]
         if not isinstance(primary, PoolTier):
             raise ConfigError(f"tiers.0: the primary must be a slot-pool tier (cpu or device), "
@@ -88,7 +101,7 @@ class TieredStore:
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
         cfg = self.config
-        self._cost = CostModel(self.layout.tokens_per_block, cfg.recompute_tokens_per_s, cfg.max_pending_s,
+        self._cost = CostModel(self._units.tokens_per_block, cfg.recompute_tokens_per_s, cfg.max_pending_s,
                                enabled=cfg.cost_model)
         self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0, "evictions_unbacked": 0}
 
@@ -136,7 +149,7 @@ class TieredStore:
         self._pools = self._primary.pools
         self._gateways = [TierGateway(i, t, self._lock, up=False)
                           for i, t in enumerate(self._tiers[1:], start=1)]
-        self._parts = Parts.build(layout=self.layout, pools=self._pools, gateways=self._gateways,
+        self._parts = Parts.build(layout=self._units, pools=self._pools, gateways=self._gateways,
                                   bridge=self._bridge, cost=self._cost,
                                   admission_config=self.config.admission, primary_stats=self._primary_stats,
                                   check_open=self._check_open, counts=self._counts)
@@ -209,10 +222,30 @@ class TieredStore:
         return self._wired().engine
 
     # ---- validation -----------------------------------------------------------------------------
-    def _keys(self, group: int, hashes: Sequence[bytes]) -> tuple[SlotPool, list[bytes]]:
+    def _keys(self, group: int, hashes: Sequence[bytes],
+              whole: str = "") -> tuple[SlotPool, list[bytes], int]:
+        """The pool of ``group``, the keys of the whole records ``hashes`` covers, and how many
+        blocks ``hashes`` names; a call named by ``whole`` takes whole records only."""
         self._check_open()
         pool = pool_for(self._pools, self.layout, group)
-        return pool, [h + group.to_bytes(GROUP_BYTES, "big") for h in check_hashes(hashes)]
+        hs = check_hashes(hashes)
+        per = self._per
+        if whole and len(hs) % per:
+            raise InvalidArgument(
+                f"{whole}: {len(hs)} hashes, but this layout keeps {per} blocks to a record and "
+                f"{whole} takes whole records: pass a multiple of {per} hashes, from a record's first block")
+        tail = group.to_bytes(GROUP_BYTES, "big")
+        return pool, [h + tail for h in record_hashes(hs, per)], len(hs)
+
+    def _records(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` whole records of ``rows`` (``[blocks, block_bytes]`` bytes) as
+        ``[n, record_bytes]``: a view, no copy."""
+        if self._per == 1:
+            return rows
+        return row_span(rows, 0, n * self._per).view(n, rows.shape[1] * self._per)
+
+    def _block_bytes(self, group: int) -> int:
+        return self.layout.groups[group].block_bytes
 
     # ---- put ------------------------------------------------------------------------------------
     async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
@@ -222,13 +255,17 @@ class TieredStore:
         in the background. Blocks already held are not written again. Blocks that find no free or
         evictable slot go straight to the lower tiers from a private copy; when no tier takes them
         either they are dropped and counted (``put_blocks_dropped``).
+
+        With ``blocks_per_record = N > 1`` the blocks are stored as whole records of ``N``;
+        the last ``len(hashes) % N`` blocks (a record not yet full) are not stored anywhere and
+        look up as MISS (the engine recomputes them, fewer than ``N`` blocks).
         """
         with self._lock:
             self._put(group, hashes, blocks)
 
     def _put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
-        pool, keys = self._keys(group, hashes)
-        src = byte_rows(blocks, len(keys), pool.block_bytes, "blocks", pool.device)
+        pool, keys, n = self._keys(group, hashes)
+        src = self._records(byte_rows(blocks, n, self._block_bytes(group), "blocks", pool.device), len(keys))
         self._counts["puts"] += 1
         parts = self._wired()
         place_blocks(parts.ledger, group, keys, src, parts.cascader, parts.committed, self._counts)
@@ -261,14 +298,20 @@ class TieredStore:
     @locked
     def lookup_states(self, group: int, hashes: Sequence[bytes],
                       request_id: str | None = None) -> list[KeyState]:
-        """:meth:`lookup` with the reason behind each answer (see :class:`KeyState`)."""
-        _, keys = self._keys(group, hashes)
+        """:meth:`lookup` with the reason behind each answer (see :class:`KeyState`).
+
+        With several blocks to a record, a block's answer is its record's, and the blocks of a
+        trailing record not yet full are MISS (``stats().lookups`` counts records)."""
+        _, keys, n = self._keys(group, hashes)
         parts = self._wired()
         with _asking(parts.admission, request_id) as req:
             states = parts.keys.states(group, keys, req)
         for st in states:
             self._lookups[st.lookup.value] += 1
-        return states
+        per = self._per
+        if per == 1:
+            return states
+        return [st for st in states for _ in range(per)] + [KeyState.MISS] * (n - len(states) * per)
 
     def lookup_prefix(self, hashes: Sequence[bytes], request_id: str | None = None) -> PrefixLookup:
         """The longest usable prefix over every prefix-cacheable group (docs/design.md).
@@ -277,14 +320,18 @@ class TieredStore:
         ``state`` is HIT when they are all ready in the primary and no probe can lengthen it,
         PENDING when waiting gives a ready or longer prefix, MISS when there is nothing at all.
         A prefix needing more blocks of a group than its pool has falls back to the longest that fits.
+        With several blocks to a record, ``blocks`` is a multiple of ``blocks_per_record``: a
+        trailing record not yet full is never part of it.
         """
         with self._lock:  # not @locked: the restore's walk is one call shorter (docs/design.md)
             self._check_open()
             parts = self._wired()
+            per = self._per
             with _asking(parts.admission, request_id) as req:
-                result = parts.resolver.prefix(hashes, req)
+                result = parts.resolver.prefix(
+                    hashes if per == 1 else record_hashes(check_hashes(hashes), per), req)
             self._lookups[result.state.value] += 1
-            return result
+            return result if per == 1 else PrefixLookup(result.blocks * per, result.state)
 
     @locked
     def release(self, request_id: str) -> None:
@@ -304,10 +351,13 @@ class TieredStore:
         reads into ``out``, so cancelling ``get`` always returns at once. Raises
         :class:`BlockMissing` when a block is held by no tier (``out`` rows are then unspecified).
         With ``request_id``, that request's pins on these blocks are dropped once they are copied.
+        With several blocks to a record, ``hashes`` covers whole records (:class:`InvalidArgument`
+        otherwise).
         """
         with self._lock:
-            pool, keys = self._keys(group, hashes)
-            out8 = byte_rows(out, len(keys), pool.block_bytes, "out", pool.device, writable=True)
+            pool, keys, n = self._keys(group, hashes, whole="get")
+            out8 = self._records(byte_rows(out, n, self._block_bytes(group), "out", pool.device,
+                                           writable=True), len(keys))
             parts = self._wired()
             req = parts.admission.request(request_id)
         await parts.reader.get(group, pool, keys, out8, req)
@@ -323,22 +373,26 @@ class TieredStore:
         (neither evicted nor rewritten) until the block exits; PENDING blocks are waited for.
         Raises :class:`BlockMissing` when a block is not in the primary (``lookup_prefix`` brings
         blocks from lower tiers; ``get`` reads them directly). With ``request_id``, that request's
-        pins on these blocks are dropped on exit too.
+        pins on these blocks are dropped on exit too. With several blocks to a record, ``hashes``
+        covers whole records (:class:`InvalidArgument` otherwise).
         """
         with self._lock:
-            pool, keys = self._keys(group, hashes)
+            pool, keys, n = self._keys(group, hashes, whole="borrow")
             parts = self._wired()
             req = parts.admission.request(request_id)
         async with parts.reader.borrow(group, pool, keys, req) as rows:
-            yield rows
+            yield rows if self._per == 1 else rows.view(n, self._block_bytes(group))
 
     @contextlib.contextmanager
     def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
         """:meth:`borrow` without the wait or the event loop, from any thread: the primary's slots
         of blocks all ready now (rows ``store.tiers[0].pools[group].tensor[slot]``), pinned until
-        the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits."""
+        the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits.
+
+        With several blocks to a record it names one slot per record (``hashes`` covers whole
+        records): block ``j`` is bytes ``(j % N) * block_bytes`` on of slot ``j // N``."""
         with self._lock:
-            pool, keys = self._keys(group, hashes)
+            pool, keys, _ = self._keys(group, hashes, whole="lend_slots")
             reader = self._wired().reader
         with reader.lend(group, pool, keys) as slots:
             yield slots

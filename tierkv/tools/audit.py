@@ -220,7 +220,7 @@ async def inspect_tier(url: str, storage_options: dict[str, Any] | None = None, 
                                  other_files=sum(1 for _, f in listing.other if f == fp))
             groups: dict[int, GroupReport] = {}
             if man.layout is not None:
-                for g, spec in enumerate(man.layout.groups):
+                for g, spec in enumerate(man.layout.record_layout().groups):
                     if spec.kind != "scratch":
                         groups[g] = GroupReport(group=g, kind=spec.kind, block_bytes=spec.block_bytes)
             records = listing.records.get(fp, [])
@@ -362,7 +362,8 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
         for fp in listing.fingerprints():
             man = await _manifest(driver, listing.manifests.get(fp), fp)
             report.namespaces[fp] = man.state
-            layout = man.layout if man.state == "ok" else None
+            # records hold blocks_per_record blocks: sizes are checked against the record's
+            layout = man.layout.record_layout() if man.state == "ok" and man.layout is not None else None
             in_place = [] if dirs is None else dirs.records.get(fp, [])
             for _, rel in in_place:
                 report.checked += 1
