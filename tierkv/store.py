@@ -390,7 +390,7 @@ class TieredStore:
         the ``with`` block exits; None, nothing pinned, when one is not. Counted as hits.
 
         With several blocks to a record it names one slot per record (``hashes`` covers whole
-        records): block ``j`` is bytes ``(j % N) * block_bytes`` on of slot ``j // N``."""
+        records): block ``j`` lies at byte ``(j % N) * block_bytes`` of slot ``j // N``."""
         with self._lock:
             pool, keys, _ = self._keys(group, hashes, whole="lend_slots")
             reader = self._wired().reader
