@@ -182,3 +182,23 @@ async def test_the_tiers_manifest_and_verify_agree_with_records_of_several_block
     assert (report.checked, report.ok, report.corrupt) == (2, 2, [])
     manifest = json.loads((tmp_path / fp / "layout.json").read_text())
     assert manifest["layout"]["blocks_per_record"] == N
+
+
+async def test_a_second_pool_tier_holds_whole_records_too(tmp_path: Path) -> None:
+    """A lower ``cpu`` tier sizes its slots by records, as the primary does: blocks that leave
+    a small primary land there (none of its stores fail) and come back whole."""
+    hs = hashes(32)
+    rows = blocks(32, BB, seed=3)
+    lay = Layout(tokens_per_block=16, blocks_per_record=N, groups=[{"kind": "full", "block_bytes": BB}])
+    cfg = {"layout": lay, "namespace": "chunks", "max_concurrent_requests": 2,
+           "tiers": [{"kind": "cpu", "slots": {0: 2}}, {"kind": "cpu", "slots": {0: 16}},
+                     {"kind": "fsspec", "url": f"file://{tmp_path}", "codec": "none"}]}
+    async with TieredStore(cfg) as store:
+        for i in range(0, 32, 8):
+            await store.put(0, hs[i:i + 8], rows[i:i + 8])
+        await store.flush()
+        second = store.stats().tiers[1]
+        assert second.stores_failed == 0 and second.stores > 0
+        out = torch.zeros_like(rows)
+        await store.get(0, hs, out)
+        assert torch.equal(out, rows)

@@ -80,10 +80,11 @@ class TieredStore:
                             max_concurrent_requests=self.config.max_concurrent_requests,
                             policy=self.config.policy)
                 for layout in (self._units, self.layout)]
-        # the primary sizes its slots by records; lower tiers name the layout as configured
+        # pool tiers size their slots by records; the others name the layout as configured
         # (their manifest's layout must hash to the fingerprint)
-        self._tiers: list[Tier] = [get_backend(tc.kind)(tc, ctxs[min(i, 1)])
-                                   for i, tc in enumerate(self.config.tiers)]
+        backends = [get_backend(tc.kind) for tc in self.config.tiers]
+        self._tiers: list[Tier] = [cls(tc, ctxs[0 if issubclass(cls, PoolTier) else 1])
+                                   for cls, tc in zip(backends, self.config.tiers, strict=True)]
         primary = self._tiers[0]
         if not isinstance(primary, PoolTier):
             raise ConfigError(f"tiers.0: the primary must be a slot-pool tier (cpu or device), "
