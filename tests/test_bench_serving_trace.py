@@ -117,8 +117,22 @@ def test_vllm_offloading_without_cuda_says_so_and_exits_0(tmp_path: Path) -> Non
                           text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "tierkv bench serving --trace: --with-vllm-offloading: vLLM's own CPUOffloadingSpec runs only on "
-        "CUDA (it refuses the CPU platform) and this machine has no CUDA device: nothing was run"]
+        "tierkv bench serving --trace: --with-vllm-offloading: vLLM's own CPUOffloadingSpec and "
+        "TieringOffloadingSpec run only on CUDA (they refuse the CPU platform) and this machine has no CUDA "
+        "device: nothing was run"]
+
+
+def test_vllm_offloading_runs_both_of_vllms_own_specs_with_the_same_cpu_bytes(tmp_path: Path) -> None:
+    args = serving_trace.build_parser().parse_args(["--trace", "t.jsonl", "--with-vllm-offloading",
+                                                     "--cpu-pool-mib", "8"])
+    opts = serving_trace.options_from_args(args)
+    assert opts.systems[-2:] == ("vllm-offload", "vllm-tiering")
+    run = serving_trace._TraceRun(opts, next(iter(serving_trace.MODELS.values())), tmp_path, tmp_path, {}, [])
+    assert run.extra("vllm-offload", tmp_path / "fs") == {"spec_name": "CPUOffloadingSpec",
+                                                          "cpu_bytes_to_use": 8 << 20}
+    assert run.extra("vllm-tiering", tmp_path / "fs") == {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 20,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}]}
 
 
 def _tiny_trace(path: Path) -> Path:

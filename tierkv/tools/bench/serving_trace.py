@@ -41,8 +41,9 @@ model (dummy weights), the same vLLM KV cache (``--vllm-cache-blocks`` blocks):
                  presence from memory (no probe), the yardstick of what the file tier's probes cost;
 ``prefix-control`` (opt-in) ``prefix`` again in another engine: the comparison's noise floor;
 ``vllm-offload`` (``--with-vllm-offloading``) vLLM's own ``CPUOffloadingSpec`` with the same CPU
-                 bytes. It refuses the CPU platform: without a CUDA device the command says so and
-                 exits 0, running nothing.
+                 bytes; ``vllm-tiering`` (the same option) its ``TieringOffloadingSpec``, the same CPU
+                 bytes over its ``fs`` tier (unbounded) in the working directory. Both refuse the CPU
+                 platform: without a CUDA device the command says so and exits 0, running nothing.
 
 Each engine first serves a warm-up prompt twice (four blocks of tokens no trace request uses; vLLM's
 prefix cache reset in between) so one-time costs stay out of the figures. Reported per system:
@@ -92,8 +93,11 @@ __all__ = ["DEFAULT_SYSTEMS", "SYSTEMS", "TraceOptions", "breakdown", "build_par
            "options_from_args", "run_trace", "summarize_system"]
 
 PROG = "tierkv bench serving --trace"
-#: every system, in report order (``vllm-offload`` only with ``--with-vllm-offloading``)
-SYSTEMS = ("prefix", "tierkv-cpu", "tierkv-file", "tierkv-memory", "prefix-control", "vllm-offload")
+#: every system, in report order (``vllm-offload`` and ``vllm-tiering`` only with ``--with-vllm-offloading``)
+SYSTEMS = ("prefix", "tierkv-cpu", "tierkv-file", "tierkv-memory", "prefix-control", "vllm-offload",
+           "vllm-tiering")
+#: vLLM's own offloading specs (CUDA only)
+VLLM_SYSTEMS = SYSTEMS[5:]
 _CHOOSABLE = SYSTEMS[:5]
 DEFAULT_SYSTEMS = ("prefix", "tierkv-cpu", "tierkv-file")
 
@@ -136,7 +140,8 @@ def _systems(text: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in _CHOOSABLE]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown system(s) {', '.join(bad) or '(none)'}: choose from "
-                                         f"{','.join(_CHOOSABLE)} (vllm-offload: --with-vllm-offloading)")
+                                         f"{','.join(_CHOOSABLE)} (vllm-offload, vllm-tiering: "
+                                         "--with-vllm-offloading)")
     return tuple(s for s in SYSTEMS if s in names)
 
 
@@ -164,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", type=_systems, default=DEFAULT_SYSTEMS,
                    help=f"what to compare, comma-separated, of {','.join(_CHOOSABLE)}")
     p.add_argument("--with-vllm-offloading", action="store_true",
-                   help="also run vLLM's own CPUOffloadingSpec (needs a CUDA device: without one, says so "
-                        "and exits 0)")
+                   help="also run vLLM's own CPUOffloadingSpec and TieringOffloadingSpec with its fs tier "
+                        "(needs a CUDA device: without one, says so and exits 0)")
     p.add_argument("--recompute-tokens-per-s", type=_positive_float, default=None,
                    help="tierkv's cost model recompute rate (default: measured by the adapter)")
     p.add_argument("--no-cost-model", action="store_true", help="tierkv restores whatever it holds")
@@ -182,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> TraceOptions:
     """:class:`TraceOptions` from parsed arguments."""
-    systems = tuple(args.systems) + (("vllm-offload",) if args.with_vllm_offloading else ())
+    systems = tuple(args.systems) + (VLLM_SYSTEMS if args.with_vllm_offloading else ())
     return TraceOptions(trace=args.trace, requests=args.requests, json=args.json, details=args.details,
                         model=args.model,
                         scaling=Scaling(args.ids_per_request, args.tokens_per_id, args.max_output),
@@ -242,6 +247,9 @@ class _TraceRun:
             return None
         if system == "vllm-offload":
             return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": cpu_bytes}
+        if system == "vllm-tiering":
+            return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
+                    "secondary_tiers": [{"type": "fs", "root_dir": str(tier_dir)}]}
         file_tier: dict[str, Any] = {"kind": "fsspec", "url": f"file://{tier_dir}", "sole_writer": True}
         tiers: list[dict[str, Any]] = {"tierkv-file": [file_tier],
                                        "tierkv-memory": [{"kind": "memory"}]}.get(system, [])
@@ -397,10 +405,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     try:
-        if "vllm-offload" in opts.systems and not cuda_available():
+        if set(VLLM_SYSTEMS) & set(opts.systems) and not cuda_available():
             load_trace(opts.trace, opts.requests)  # a bad trace is still an error
-            print(f"{PROG}: --with-vllm-offloading: vLLM's own CPUOffloadingSpec runs only on CUDA (it "
-                  "refuses the CPU platform) and this machine has no CUDA device: nothing was run",
+            print(f"{PROG}: --with-vllm-offloading: vLLM's own CPUOffloadingSpec and "
+                  "TieringOffloadingSpec run only on CUDA (they refuse the CPU platform) and this machine "
+                  "has no CUDA device: nothing was run",
                   file=sys.stderr)
             return 0
         result = run_trace(opts, report)
