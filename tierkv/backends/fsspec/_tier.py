@@ -21,7 +21,8 @@ Encryption at rest (``encryption_key_file``): every record written is sealed wit
 :class:`~tierkv.records.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
 that does not authenticate is damaged (counted, removed); one sealed by a key this store does not
 hold, or an unencrypted one with ``read_unencrypted`` off, is a miss counted apart
-(``encrypted_misses``, ``unencrypted_misses``), said once and left in place: it may be another
+(``encrypted_misses``, ``unencrypted_misses``; ``newer_version_misses`` for a record a newer
+tierkv wrote), said once and left in place: it may be another
 tenant's. Encrypted records are read by the tier's threads, never by reader processes.
 
 Credentials (URL user info, secret ``storage_options``) never appear in ``repr``, ``describe()``,
