@@ -5,6 +5,8 @@ version is refused and left in place; the C and Python write and read paths agre
 from __future__ import annotations
 
 import importlib.util
+import mmap
+import os
 import struct
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from helpers import evict
 
 from tierkv.backends.base import TierContext
 from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
@@ -33,6 +36,7 @@ from tierkv.records import (
     read_header,
     verify_record,
 )
+from tierkv.records.batchio import page_cached
 from tierkv.records.encryption import KeyRing
 from tierkv.records.tempnames import TEMP_MARK
 from tierkv.testing import conformance_layout
@@ -292,3 +296,58 @@ def test_c_and_python_write_the_same_bytes_and_read_each_others(tmp_path: Path, 
             (n,) = io.read_batch([paths[0]], [[head, row, tail]], direct=direct)
             assert len(expected) == PAGE_ALIGN and none_parts_match(expected, head, row, tail, n)
             assert row.tobytes() == block.tobytes()
+
+
+# ---- direct reads (a file tier's direct_reads) ----------------------------------------------------------
+def _aligned_rows(n: int) -> torch.Tensor:
+    """``n`` rows of a block each, in an anonymous mapping: every row starts on a page."""
+    return torch.frombuffer(mmap.mmap(-1, n * BB), dtype=torch.uint8).reshape(n, BB)
+
+
+def _cached(path: Path) -> bool | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return page_cached(fd, path.stat().st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct_reads", [True, False])
+async def test_direct_reads_land_cold_records_in_aligned_rows_past_the_page_cache(
+        tmp_path: Path, direct_reads: bool) -> None:
+    """With ``direct_reads`` a cold ``none`` record is read with O_DIRECT straight into its
+    page-aligned row: served and verified, and the page cache holds none of it afterwards (a
+    buffered read leaves it there). A row off a page boundary, a version 2 record and a damaged
+    record take the ordinary path: served, served, a counted miss."""
+    tier = tier_at(tmp_path, codec="none", direct_io=False, direct_reads=direct_reads)
+    await tier.open()
+    try:
+        ks = [make_key(bytes([40 + i]) * 32, FULL) for i in range(4)]
+        data = blocks(4, 40)
+        assert await tier.put(FULL, ks, data) == [True] * 4
+        paths = [Path(tier.path(k)) for k in ks]
+        v2_key = MAKER.key(0)
+        v2_path = Path(tier.path(v2_key))
+        v2_path.parent.mkdir(parents=True, exist_ok=True)
+        v2_path.write_bytes((V2 / "none.tkv").read_bytes())
+        damaged = bytearray(paths[3].read_bytes())
+        damaged[PAGE_ALIGN + 7] ^= 0x20
+        paths[3].write_bytes(bytes(damaged))
+        for p in [*paths, v2_path]:
+            evict(p)
+            assert _cached(p) is False
+        out = _aligned_rows(4)
+        assert await tier.get(FULL, ks[:3], out[:3]) == [True] * 3
+        assert torch.equal(out[:3], data[:3])
+        assert [_cached(p) for p in paths[:3]] == [not direct_reads] * 3
+        v2_out = _aligned_rows(1)
+        assert await tier.get(FULL, [v2_key], v2_out) == [True]
+        assert v2_out[0].numpy().tobytes() == MAKER.block(0)
+        assert await tier.get(FULL, [ks[3]], out[3:]) == [False]
+        assert tier.counters["corrupt_checksum"] == 1 and not paths[3].exists()
+        evict(paths[0])
+        shifted = torch.frombuffer(mmap.mmap(-1, 2 * BB), dtype=torch.uint8)[64:64 + BB].reshape(1, BB)
+        assert await tier.get(FULL, ks[:1], shifted) == [True]
+        assert torch.equal(shifted[0], data[0]) and _cached(paths[0]) is True
+    finally:
+        await tier.close()

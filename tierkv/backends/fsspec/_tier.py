@@ -45,6 +45,7 @@ from tierkv.backends.fsspec import _upkeep
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
 from tierkv.backends.fsspec._driver import Driver
+from tierkv.backends.fsspec._local import LocalDriver
 from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
@@ -166,6 +167,8 @@ class FsspecTier(Tier):
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, None, cfg.io_threads,
                                                   cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
                                                   cfg.read_processes, cfg.file_mode, cfg.s3_client)
+            if isinstance(self._driver, LocalDriver):
+                self._driver.direct_reads = cfg.direct_reads
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await _upkeep.write_manifest(self)
