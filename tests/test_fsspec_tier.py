@@ -28,7 +28,7 @@ from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig
 from tierkv.errors import BackendError, ConfigError
 from tierkv.keys import make_key
 from tierkv.movement.gateway import TierGateway
-from tierkv.records import FIXED_HEADER_LEN, FORMAT_VERSION, TRAILER_LEN, encode_record, read_header
+from tierkv.records import FIXED_HEADER_LEN, TRAILER_LEN, encode_record, read_header
 from tierkv.records.tempnames import HOST as _HOST
 from tierkv.records.tempnames import TEMP_MARK
 from tierkv.testing import conformance_layout
@@ -175,7 +175,11 @@ async def test_a_flipped_bit_anywhere_is_a_counted_miss_and_removed(tmp_path: Pa
         c = _Corrupter(tier)
         good = await c.write_good()
         header = read_header(good)
-        positions = [(i, b) for i in range(header.header_len) for b in range(8)]  # every header bit
+        # every bit of the fields, the key and the plane table; a sample of a page's zero padding
+        fields_end = min(header.header_len, 128)
+        positions = [(i, b) for i in range(fields_end) for b in range(8)]
+        positions += [(i, i % 8) for i in range(fields_end, header.header_len, 61)]
+        positions += [(header.header_len - 1, 0)] if header.header_len > fields_end else []
         payload = range(header.header_len, header.header_len + header.stored_len)
         positions += [(i, i % 8) for i in list(payload)[:: max(1, header.stored_len // 61)]]
         positions += [(len(good) - TRAILER_LEN + i, 7 - i) for i in range(TRAILER_LEN)]
@@ -229,7 +233,7 @@ async def test_foreign_empty_wrong_fingerprint_wrong_key_and_absurd_sizes(corrup
     huge = bytearray(_record(c.key, data))
     struct.pack_into("<QQ", huge, 40, 1 << 40, 1 << 40)  # allowed by the format, not by block_bytes
     cases.append((_fix_checksum(huge), "size"))
-    for v in (FORMAT_VERSION - 1, FORMAT_VERSION + 1):  # an older and a newer format
+    for v in (0, 1):  # formats no release wrote (a newer one is refused, left in place: test_format_v3.py)
         version = bytearray(good)
         struct.pack_into("<H", version, 8, v)
         cases.append((_fix_checksum(version), "version"))

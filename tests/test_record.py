@@ -93,7 +93,7 @@ def build(
     planes: tuple[tuple[int, int], ...] = (),
     key: bytes = KEY,
     fp: str = FP,
-    version: int = 2,
+    version: int = 3,
     checksum_id: int = 1,
     flags: int = 0,
     padding: bytes | None = None,
@@ -101,7 +101,8 @@ def build(
     """A record written from the spec alone: planes are (stored_len, mode) pairs."""
     table = b"".join(SPEC_PLANE.pack(stored, mode) for stored, mode in planes)
     unpadded = 56 + len(key) + len(table)
-    header_len = (unpadded + 63) // 64 * 64
+    align = 4096 if version >= 3 and codec == "none" and raw_len >= 4096 else 64
+    header_len = -(-unpadded // align) * align
     if padding is None:
         padding = bytes(header_len - unpadded)
     assert len(padding) == header_len - unpadded
@@ -240,11 +241,13 @@ def test_layout_matches_the_spec(codec: str) -> None:
     fields = SPEC_FIXED.unpack_from(record, 0)
     magic, version, codec_id, checksum_id, elem_size, n_planes, key_len, header_len, flags = fields[:9]
     fp, raw_len, stored_len = fields[9:]
-    assert (magic, version, codec_id, checksum_id, elem_size) == (SPEC_MAGIC, 2, CODEC_IDS[codec], 1, 2)
+    assert (magic, version, codec_id, checksum_id, elem_size) == (SPEC_MAGIC, 3, CODEC_IDS[codec], 1, 2)
     assert n_planes == (2 if codec == "zstd-shuffle" else 0)
     assert (key_len, flags, fp, raw_len) == (len(KEY), 0, bytes.fromhex(FP), block.size)
     unpadded = 56 + len(KEY) + 16 * n_planes
-    assert header_len % 64 == 0 and unpadded <= header_len < unpadded + 64
+    # version 3: a none record of at least a page has its payload on a page boundary; others 64
+    align = 4096 if codec == "none" else 64
+    assert header_len % align == 0 and unpadded <= header_len < unpadded + align
     assert record[unpadded:header_len] == bytes(header_len - unpadded)
     assert record[56 : 56 + key_len] == KEY
     assert len(record) == header_len + stored_len + 8
@@ -481,7 +484,13 @@ def test_plane_table_inconsistencies() -> None:
 def test_header_fields_with_a_valid_checksum() -> None:
     payload = b"abcdefgh"
     assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=1))) == "version"
-    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=3))) == "version"
+    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=0))) == "version"
+    # a newer version, sound (its trailer checks): not this reader's to serve, not damage
+    assert reason_of(lambda: decode(build(codec="none", raw_len=8, payload=payload, version=4))) == "newer"
+    newer_flipped = bytearray(build(codec="none", raw_len=8, payload=payload, version=4))
+    newer_flipped[-9] ^= 1
+    assert reason_of(lambda: decode(bytes(newer_flipped))) == "version"
+    assert decode(build(codec="none", raw_len=8, payload=payload, version=2)).tobytes() == payload
     odd_key = KEY + b"\x07"  # 56 + 37 bytes: 35 bytes of padding to 128
     padded = build(codec="none", raw_len=8, payload=payload, key=odd_key, padding=bytes(34) + b"\x01")
     assert reason_of(lambda: decode(padded, key=odd_key)) == "version"
@@ -498,7 +507,7 @@ def test_header_fields_with_a_valid_checksum() -> None:
     record = build(codec="none", raw_len=8, payload=payload)
     assert reason_of(lambda: decode(reseal(patch(record, 10, "<B", 3)))) == "codec"
     assert reason_of(lambda: decode(reseal(patch(record, 16, "<I", 57 + len(KEY))))) == "size"
-    # version 1's unpadded header length is not a version 2 header length
+    # version 1's unpadded header length is not a version 2 or 3 header length
     assert reason_of(lambda: decode(reseal(patch(record, 16, "<I", 56 + len(KEY))))) == "size"
 
 
@@ -639,17 +648,52 @@ def test_any_single_byte_change_is_refused(payload: bytes, codec: str, where: fl
 
 
 GOLDEN_NONE = """
+89 54 4b 56 0d 0a 1a 0a 03 00 00 01 02 00 08 00 40 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
+01 23 45 67 89 ab cd ef 0e 00 00 00 00 00 00 00 0e 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
+68 65 6c 6c 6f 2c 20 74 69 65 72 6b 76 21 be 33 44 8b b1 c6 e8 b5
+"""
+GOLDEN_SHUFFLE = """
+89 54 4b 56 0d 0a 1a 0a 03 00 02 01 02 02 08 00 80 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
+01 23 45 67 89 ab cd ef 0f 00 00 00 00 00 00 00 0f 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
+07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
+00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
+68 6c 6f 20 69 72 76 65 6c 2c 74 65 6b 21 21 67 a7 3b 29 fb 85 78 4f
+"""
+# the same blocks in version 2, as the previous release wrote them (docs/format.md, "Version 2")
+GOLDEN_NONE_V2 = """
 89 54 4b 56 0d 0a 1a 0a 02 00 00 01 02 00 08 00 40 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
 01 23 45 67 89 ab cd ef 0e 00 00 00 00 00 00 00 0e 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
 68 65 6c 6c 6f 2c 20 74 69 65 72 6b 76 21 1c 06 f7 a0 36 70 4c a0
 """
-GOLDEN_SHUFFLE = """
+GOLDEN_SHUFFLE_V2 = """
 89 54 4b 56 0d 0a 1a 0a 02 00 02 01 02 02 08 00 80 00 00 00 00 00 00 00 01 23 45 67 89 ab cd ef
 01 23 45 67 89 ab cd ef 0f 00 00 00 00 00 00 00 0f 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
 07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 07 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
 68 6c 6f 20 69 72 76 65 6c 2c 74 65 6b 21 21 82 0f a6 76 2a 1f a1 30
 """
+
+
+@pytest.mark.parametrize(
+    ("payload", "golden"), [(b"hello, tierkv!", GOLDEN_NONE_V2), (b"hello, tierkv!!", GOLDEN_SHUFFLE_V2)]
+)
+def test_version_2_examples_in_the_format_doc_still_read(payload: bytes, golden: str) -> None:
+    record = bytes.fromhex(golden)
+    assert read_header(record).version == 2
+    got = decode_record(record, key=bytes.fromhex("0011223300000001"),
+                        fingerprint="0123456789abcdef0123456789abcdef", max_raw_bytes=len(payload))
+    assert got.tobytes() == payload
+
+
+def test_page_aligned_example_in_the_format_doc() -> None:
+    """The 8 KiB ``none`` example: header 4096 bytes (zero from 64 on), the block at 0x1000."""
+    key = bytes.fromhex("0011223300000001")
+    block = bytes(range(256)) * 32
+    record = encode_record(key=key, fingerprint="0123456789abcdef0123456789abcdef", payload=block)
+    assert SPEC_FIXED.unpack_from(record)[7] == 0x1000
+    assert record[64:0x1000] == bytes(0x1000 - 64) and record[0x1000:0x3000] == block
+    assert len(record) == 0x3008
+    assert struct.unpack("<Q", record[-8:])[0] == xxhash.xxh3_64_intdigest(record[:-8])
 
 
 @pytest.mark.parametrize(
@@ -666,12 +710,12 @@ def test_examples_in_the_format_doc(codec: str, payload: bytes, golden: str) -> 
 
 
 GOLDEN_SEALED = """
-89 54 4b 56 0d 0a 1a 0a 02 00 00 01 02 00 08 00 80 00 00 00 01 00 00 00 01 23 45 67 89 ab cd ef
+89 54 4b 56 0d 0a 1a 0a 03 00 00 01 02 00 08 00 80 00 00 00 01 00 00 00 01 23 45 67 89 ab cd ef
 01 23 45 67 89 ab cd ef 0e 00 00 00 00 00 00 00 0e 00 00 00 00 00 00 00 00 11 22 33 00 00 00 01
 01 00 00 00 b7 a5 59 71 e9 98 cc 2b a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 aa ab 00 00 00 00 00 00 00 00
 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00
-8e 7d 10 41 2a e7 22 cb 0b 00 f5 b8 71 5b 71 56 a7 cb ab b6 bb 26 07 ef 81 c5 88 9b 53 7d 6f d6
-ac d6 d4 c0 ca 53
+8e 7d 10 41 2a e7 22 cb 0b 00 f5 b8 71 5b 76 5d cc a3 f1 c9 14 43 4a c9 af 79 90 30 02 6e 37 4d
+ec c2 ed 5a 7e 66
 """
 
 

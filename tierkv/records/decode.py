@@ -121,7 +121,8 @@ def decode_record(
     shape); the block is decoded into it and ``out`` is returned. Otherwise a new uint8 array is
     returned. A sealed record needs ``keys`` holding its key id (else ``encrypted``: a record this
     reader cannot open, not a damaged one) and must authenticate (else ``auth``); with ``keys``
-    whose ``accept_plain`` is False an unencrypted record is refused (``plaintext``). Raises
+    whose ``accept_plain`` is False an unencrypted record is refused (``plaintext``), and so is an
+    intact record of a format version newer than this reader's (``newer``). Raises
     :class:`~tierkv.errors.CorruptRecord` on any failed check (``out``'s contents
     are then unspecified) and :class:`~tierkv.errors.InvalidArgument` for a bad ``out``,
     ``fingerprint`` or ``max_raw_bytes``.

@@ -35,6 +35,7 @@ from tierkv.records.format import (
     U8Array,
     _fingerprint_bytes,
     _key_bytes,
+    header_align,
     header_len_for,
 )
 
@@ -145,7 +146,7 @@ def encode_record_parts(
         pieces.append(src[n * elem_size :].data)
 
     stored_len = sum(len(p) for p in pieces)
-    header_len = header_len_for(len(key), plane_count, keys is not None)
+    header_len = header_len_for(len(key), plane_count, keys is not None, header_align(codec, raw_len))
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,

@@ -1,7 +1,8 @@
 """Persistent record format: one self-describing, checksummed record per block.
 
 A record is ``header | payload | trailer``. The header (little-endian: 56 fixed bytes, the key, a
-plane table for ``zstd-shuffle``, zero bytes up to a multiple of 64) names the format version,
+plane table for ``zstd-shuffle``, zero bytes up to a multiple of 64, or of a page (4096) for a ``none``
+record of at least a page, so that its payload starts page-aligned) names the format version,
 codec, checksum algorithm, layout fingerprint, key and sizes; the trailer is an xxh3-64 checksum of
 header and payload. A reader checks the structure, the sizes against the caller's bound, the total
 length and the checksum *before* it decompresses or hands over a byte, and it never allocates more
@@ -54,6 +55,8 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_ALIGN",
     "MAGIC",
+    "PAGE_ALIGN",
+    "READ_VERSIONS",
     "FLAG_ENCRYPTED",
     "MAX_KEY_LEN",
     "MAX_RAW_LEN",
@@ -63,6 +66,7 @@ __all__ = [
     "TRAILER_LEN",
     "PlaneInfo",
     "RecordHeader",
+    "header_align",
     "header_len_for",
     "none_header",
     "read_header",
@@ -81,7 +85,12 @@ CHECKSUM_ALGORITHMS: Final[tuple[str, ...]] = ("", "xxh3_64")
 MAGIC: Final = b"\x89TKV\r\n\x1a\n"
 
 
-FORMAT_VERSION: Final = 2
+#: the version this writer writes
+FORMAT_VERSION: Final = 3
+
+
+#: the versions this reader serves: 2 (payload 64-aligned) and 3 (page-aligned where it pays)
+READ_VERSIONS: Final = frozenset((2, 3))
 
 
 FIXED_HEADER_LEN: Final = 56
@@ -90,6 +99,12 @@ FIXED_HEADER_LEN: Final = 56
 #: The header is padded with zero bytes to a multiple of this, so the payload starts 64-aligned in
 #: the file: the kernel then copies it to a 64-aligned buffer a quarter faster (bench/fs_tier.py).
 HEADER_ALIGN: Final = 64
+
+
+#: Version 3 pads the header of a ``none`` record whose block is at least this long to a multiple of
+#: it, so the block's bytes start on a page boundary: an ``O_DIRECT`` read can land them in an aligned
+#: row with no copy. Smaller blocks and compressed payloads keep 64 (a page there would only cost).
+PAGE_ALIGN: Final = 4096
 
 
 PLANE_ENTRY_LEN: Final = 16
@@ -139,6 +154,9 @@ _PLANE: Final = struct.Struct("<QB7s")
 
 
 _TRAILER: Final = struct.Struct("<Q")
+
+
+_VERSION: Final = struct.Struct("<H")
 
 
 # cipher id, 3 reserved bytes (zero), key id, nonce
@@ -219,10 +237,17 @@ def _zstd_bound(n: int) -> int:
     return n + (n >> 8) + (((_ZSTD_BLOCK - n) >> 11) if n < _ZSTD_BLOCK else 0)
 
 
-def header_len_for(key_len: int, plane_count: int, encrypted: bool = False) -> int:
-    """The header length of a record with this key length and plane count (padding included)."""
+def header_align(codec: str, raw_len: int, version: int = FORMAT_VERSION) -> int:
+    """What a record's header is padded to a multiple of: :data:`PAGE_ALIGN` for a version 3
+    ``none`` record of at least a page, else :data:`HEADER_ALIGN`."""
+    return PAGE_ALIGN if version >= 3 and codec == "none" and raw_len >= PAGE_ALIGN else HEADER_ALIGN
+
+
+def header_len_for(key_len: int, plane_count: int, encrypted: bool = False, align: int = HEADER_ALIGN) -> int:
+    """The header length of a record with this key length and plane count (padding to a multiple of
+    ``align`` included: :func:`header_align`)."""
     unpadded = FIXED_HEADER_LEN + key_len + plane_count * PLANE_ENTRY_LEN + (SEAL_LEN if encrypted else 0)
-    return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
+    return -(-unpadded // align) * align
 
 
 def _fingerprint_bytes(fingerprint: str) -> bytes:
@@ -262,7 +287,7 @@ def none_header(*, key: bytes, fingerprint: str, raw_len: int, elem_size: int = 
     record has its own; :func:`sealed_none_open` compares everything else).
     """
     key = _key_bytes(key)
-    header_len = header_len_for(len(key), 0, key_id is not None)
+    header_len = header_len_for(len(key), 0, key_id is not None, header_align("none", raw_len))
     seal = b"" if key_id is None else _SEAL.pack(_CIPHER_AES256_GCM, bytes(3), key_id, bytes(NONCE_LEN))
     return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODEC_NONE, _CHECKSUM_XXH3_64, elem_size, 0, len(key),
                        header_len, 0 if key_id is None else FLAG_ENCRYPTED, _fingerprint_bytes(fingerprint),
@@ -292,8 +317,9 @@ def _parse_header(view: memoryview) -> RecordHeader:
         raw_len,
         stored_len,
     ) = _FIXED.unpack_from(view, 0)
-    if version != FORMAT_VERSION:
-        raise CorruptRecord("version", f"format version {version}, this reader knows {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        known = "/".join(str(v) for v in sorted(READ_VERSIONS))
+        raise CorruptRecord("version", f"format version {version}, this reader knows {known}")
     if flags & ~FLAG_ENCRYPTED:
         raise CorruptRecord("version", f"unknown header flags {flags:#x}")
     encrypted = bool(flags & FLAG_ENCRYPTED)
@@ -310,7 +336,8 @@ def _parse_header(view: memoryview) -> RecordHeader:
         )
     if key_len == 0:
         raise CorruptRecord("key", "empty key")
-    if header_len != header_len_for(key_len, plane_count, encrypted):
+    if header_len != header_len_for(key_len, plane_count, encrypted,
+                                    header_align(CODECS[codec_id], raw_len, version)):
         raise CorruptRecord("size", f"header length {header_len} does not match its key and plane table")
     if size < header_len:
         raise CorruptRecord("truncated", f"{size} bytes, the header is {header_len}")
@@ -376,11 +403,27 @@ def read_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     return _parse_header(_record_view(data))
 
 
+def _newer_and_sound(view: memoryview) -> bool:
+    """Whether ``view`` is a whole record of a version newer than this reader's: every version
+    keeps the magic, the version at offset 8 and the trailer (xxh3-64 of all the bytes before it),
+    so a newer record that is intact is told from a damaged one (a flipped version bit)."""
+    if len(view) < FIXED_HEADER_LEN + TRAILER_LEN or _VERSION.unpack_from(view, 8)[0] <= FORMAT_VERSION:
+        return False
+    (stored_digest,) = _TRAILER.unpack_from(view, len(view) - TRAILER_LEN)
+    return bool(xxhash.xxh3_64_intdigest(view[: len(view) - TRAILER_LEN]) == stored_digest)
+
+
 def _check_record(view: memoryview, max_raw_bytes: int) -> RecordHeader:
     """Header, size bound, total length and checksum: everything short of decoding."""
     if isinstance(max_raw_bytes, bool) or not isinstance(max_raw_bytes, int) or max_raw_bytes < 0:
         raise InvalidArgument(f"max_raw_bytes must be a non-negative int, got {max_raw_bytes!r}")
-    header = _parse_header(view)
+    try:
+        header = _parse_header(view)
+    except CorruptRecord as exc:
+        if exc.reason == "version" and _newer_and_sound(view):
+            raise CorruptRecord("newer", f"format version {_VERSION.unpack_from(view, 8)[0]}, written by "
+                                         f"a newer tierkv (this reader writes {FORMAT_VERSION})") from None
+        raise
     if header.raw_len > max_raw_bytes:
         raise CorruptRecord("size", f"raw length {header.raw_len} exceeds the bound {max_raw_bytes}")
     if len(view) < header.record_len:

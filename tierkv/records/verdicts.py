@@ -1,5 +1,6 @@
 """What a batch of record reads came to, per record (:mod:`~tierkv.records.outcomes`):
-read and verified, absent, damaged, not this store's to serve (``encrypted`` / ``plaintext``), or
+read and verified, absent, damaged, not this store's to serve (``encrypted`` / ``plaintext`` /
+``newer``: a record format version newer than this reader's), or
 failed. :func:`sort_reads` sorts them for the tier; :class:`Refusals` counts the records a store
 may not serve and says so once per kind."""
 
@@ -16,7 +17,8 @@ __all__ = ["NOT_OURS", "Reads", "Refusals", "sort_reads"]
 log = logging.getLogger("tierkv")
 
 #: verdicts of sound records this store may not serve -> the counter of each
-NOT_OURS = {"encrypted": "encrypted_misses", "plaintext": "unencrypted_misses"}
+NOT_OURS = {"encrypted": "encrypted_misses", "plaintext": "unencrypted_misses",
+            "newer": "newer_version_misses"}
 
 
 @dataclass
@@ -73,7 +75,9 @@ class Refusals:
         if verdict in self._said:
             return
         self._said.add(verdict)
-        if verdict == "plaintext":
+        if verdict == "newer":
+            why = "a newer tierkv wrote them, in a record format version this one does not know"
+        elif verdict == "plaintext":
             why = "they are not encrypted and read_unencrypted is false"
         elif not self._has_key():
             why = "they are encrypted and this store has no encryption_key_file"

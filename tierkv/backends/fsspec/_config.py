@@ -45,6 +45,11 @@ class FsspecTierConfig(TierConfig):
     #: True to require it, False for buffered writes (new records then stay in the page cache,
     #: and reads of them soon after are memory copies). Reads are buffered either way.
     direct_io: Literal["auto"] | StrictBool = "auto"
+    #: local paths: read a ``none`` record that is not in the page cache with ``O_DIRECT``,
+    #: straight into its row, when the row is page-aligned and a whole number of pages (a pool's
+    #: rows; the record's block starts on a page: docs/format.md). Such reads leave nothing in the
+    #: page cache for other processes; where the file system refuses ``O_DIRECT`` they are buffered
+    direct_reads: StrictBool = False
     #: local paths: reads into a pool in shared memory (the vLLM adapter's, a ``cpu`` tier with
     #: ``shm_path``) are done by this many helper processes, each with its own GIL, so a busy
     #: engine loop in this process does not slow a restore down; ``"auto"``: the CPU count, 1 to

@@ -97,6 +97,9 @@ class LocalDriver(Driver):
         self.direct_io = direct_io
         #: records of at least :data:`DIRECT_MIN_BYTES` are written with ``O_DIRECT``
         self.direct = False
+        #: records not in the page cache that can be read in place are read with ``O_DIRECT``
+        #: straight into page-aligned rows (the tier's ``direct_reads``; see :class:`LocalSource`)
+        self.direct_reads = False
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
         self._pool = DaemonPool(threads, "tierkv-io")
@@ -302,14 +305,14 @@ class LocalDriver(Driver):
             if stop[0]:
                 return
             try:
-                results[i] = job(i, LocalSource(paths[i]))
+                results[i] = job(i, LocalSource(paths[i], direct=self.direct_reads))
             except OSError as exc:
                 results[i] = detach(exc)
 
         def first(j: int) -> Any:
             i = todo[j]
             try:
-                results[i] = job(i, LocalSource(paths[i], nowait=nowait))
+                results[i] = job(i, LocalSource(paths[i], nowait=nowait, direct=self.direct_reads))
             except WouldBlock as exc:
                 refused[0] = refused[0] or isinstance(exc, NoWaitUnsupported)
                 cold.append(self._cold_pool().submit(functools.partial(cold_read, i)))

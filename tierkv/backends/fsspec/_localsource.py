@@ -1,6 +1,7 @@
 """One local record file: opened safely (no symlink followed, nothing but a regular file), read
 with one scatter read, first only from the page cache (``RWF_NOWAIT``) where the file system
-allows it; and the probes and hints around that (:func:`probe_nowait`, :func:`may_be_cached`,
+allows it, or with ``O_DIRECT`` straight into a page-aligned row (a tier's ``direct_reads``); and
+the probes and hints around that (:func:`probe_nowait`, :func:`may_be_cached`,
 :func:`touch_in_order`). The driver that runs these reads on its threads is
 :mod:`tierkv.backends.fsspec._local`."""
 
@@ -8,13 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
+import stat
+import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from tierkv.backends.fsspec._driver import NoWaitUnsupported, WouldBlock
 from tierkv.records import batchio
 from tierkv.records.batchio import page_cached
+from tierkv.records.directio import ALIGN, O_DIRECT, UNSUPPORTED
 from tierkv.records.read import SpecialFile
 from tierkv.records.tempnames import temp_name
 
@@ -30,6 +37,30 @@ _NOT_REGULAR = (errno.ESPIPE, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EAG
 
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+_DIRECT_FLAGS = _OPEN_FLAGS | O_DIRECT
+
+
+class _Pages(threading.local):
+    buf: mmap.mmap | None = None
+
+
+_pages = _Pages()
+
+
+def _page_buffer(n: int) -> memoryview:
+    """This thread's page-aligned buffer of at least ``n`` bytes (an anonymous mapping)."""
+    buf = _pages.buf
+    if buf is None or len(buf) < n:
+        buf = _pages.buf = mmap.mmap(-1, -(-n // ALIGN) * ALIGN)
+    return memoryview(buf)
+
+
+def _page_aligned(buf: Any) -> bool:
+    """Whether ``buf`` starts on a page and is a whole number of pages long."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return arr.ctypes.data % ALIGN == 0 and arr.nbytes % ALIGN == 0 and arr.nbytes > 0
 
 
 def _special(exc: OSError, path: str) -> OSError:
@@ -77,17 +108,55 @@ class LocalSource:
     block), so page-cache hits never queue behind reads of cold records.
     """
 
-    __slots__ = ("nowait", "path")
+    __slots__ = ("direct", "nowait", "path")
 
-    def __init__(self, path: str, nowait: bool = False) -> None:
+    def __init__(self, path: str, nowait: bool = False, direct: bool = False) -> None:
         self.path = path
         self.nowait = nowait and RWF_NOWAIT is not None
+        self.direct = direct and bool(O_DIRECT) and not self.nowait
 
     def readinto(self, bufs: list[Any]) -> int | None:
         """One read into ``bufs``, the GIL released for the whole of it. Regular files read short
         only at their end, so a result equal to the total length of ``bufs`` means the file is at
-        least that long."""
+        least that long.
+
+        With ``direct``, the in-place read of a page-aligned record (``bufs`` is a header of whole
+        pages, a row on a page boundary of whole pages, and a trailer buffer) is one ``O_DIRECT``
+        read: the header and the trailer's page into this thread's page buffer, the block straight
+        into the row, nothing through the page cache. Any other read, or a file system that refuses
+        ``O_DIRECT``, is buffered."""
+        if self.direct and len(bufs) == 3 and len(bufs[0]) % ALIGN == 0 and len(bufs[2]) <= ALIGN \
+                and _page_aligned(bufs[1]):
+            got = self._read_direct(bufs[0], bufs[1], bufs[2])
+            if got != -1:
+                return got
         return self._read(bufs)
+
+    def _read_direct(self, head: Any, row: Any, tail: Any) -> int | None:
+        """The direct read of :meth:`readinto`; -1 when the file system refuses it."""
+        try:
+            fd = os.open(self.path, _DIRECT_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in UNSUPPORTED:
+                return -1
+            raise _special(exc, self.path) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SpecialFile(errno.ESPIPE, "not a regular file where a record should be", self.path)
+            pages = _page_buffer(len(head) + ALIGN)
+            got = os.preadv(fd, [pages[:len(head)], row, pages[len(head):len(head) + ALIGN]], 0)
+        except OSError as exc:
+            if exc.errno in UNSUPPORTED:
+                return -1
+            raise _special(exc, self.path) from None
+        finally:
+            os.close(fd)
+        head[:] = pages[:len(head)]
+        past = max(0, min(got - len(head) - memoryview(row).nbytes, len(tail)))
+        tail[:past] = pages[len(head):len(head) + past]
+        return min(got, len(head) + memoryview(row).nbytes + len(tail))
 
     def _read(self, bufs: list[Any]) -> int | None:
         got: int = batchio.read_batch([self.path], [bufs], False, self.nowait)[0]

@@ -21,7 +21,8 @@ Encryption at rest (``encryption_key_file``): every record written is sealed wit
 :class:`~tierkv.records.encryption.KeyRing` (AES-256-GCM, bound to its place: docs/format.md). A record
 that does not authenticate is damaged (counted, removed); one sealed by a key this store does not
 hold, or an unencrypted one with ``read_unencrypted`` off, is a miss counted apart
-(``encrypted_misses``, ``unencrypted_misses``), said once and left in place: it may be another
+(``encrypted_misses``, ``unencrypted_misses``; ``newer_version_misses`` for a record a newer
+tierkv wrote), said once and left in place: it may be another
 tenant's. Encrypted records are read by the tier's threads, never by reader processes.
 
 Credentials (URL user info, secret ``storage_options``) never appear in ``repr``, ``describe()``,
@@ -44,6 +45,7 @@ from tierkv.backends.fsspec import _upkeep
 from tierkv.backends.fsspec._capacity import Ledger
 from tierkv.backends.fsspec._config import FsspecTierConfig
 from tierkv.backends.fsspec._driver import Driver
+from tierkv.backends.fsspec._local import LocalDriver
 from tierkv.backends.fsspec._open import default_io_depth, default_io_threads, open_driver, url_problem
 from tierkv.backends.fsspec._redact import Redactor, redact_library_logs, redact_url
 from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy
@@ -165,6 +167,8 @@ class FsspecTier(Tier):
             self._driver, self.root = open_driver(cfg.url, cfg.storage_options, None, cfg.io_threads,
                                                   cfg.fsync, cfg.io_depth, retry, cfg.direct_io,
                                                   cfg.read_processes, cfg.file_mode, cfg.s3_client)
+            if isinstance(self._driver, LocalDriver):
+                self._driver.direct_reads = cfg.direct_reads
             if isinstance(self._driver, AsyncDriver) and hasattr(self._driver.fs, "set_session"):
                 await self._driver.fs.set_session()
             await _upkeep.write_manifest(self)

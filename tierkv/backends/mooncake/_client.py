@@ -326,7 +326,7 @@ class MooncakeClient:
         try:
             decode_record(data, key=key, fingerprint=fingerprint, max_raw_bytes=row.nbytes, out=row)
         except CorruptRecord as exc:
-            return exc.reason
+            return None if exc.reason == "newer" else exc.reason  # a newer release's record: left alone
         return True
 
     def close(self) -> None:
