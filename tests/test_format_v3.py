@@ -240,6 +240,25 @@ async def test_a_version_4_record_is_refused_and_left_in_place(tmp_path: Path) -
         await tier.close()
 
 
+async def test_verify_repair_keeps_a_newer_versions_record_and_removes_a_damaged_one(tmp_path: Path) -> None:
+    tier = tier_at(tmp_path, codec="none")
+    await tier.open()
+    try:
+        ks = [make_key(bytes([i]) * 32, FULL) for i in (4, 5)]
+        assert await tier.put(FULL, ks, blocks(2, 4)) == [True, True]
+        newer, damaged = (Path(tier.path(k)) for k in ks)
+    finally:
+        await tier.close()
+    newer.write_bytes(_as_version(newer.read_bytes(), 4))
+    flipped = bytearray(damaged.read_bytes())
+    flipped[8] = 4
+    damaged.write_bytes(bytes(flipped))
+    report = await verify_tier(f"file://{tmp_path}", repair=True)
+    assert (report.checked, report.ok, report.newer) == (2, 1, 1)
+    assert [p.reason for p in report.corrupt] == ["version"] and report.removed == [report.corrupt[0].path]
+    assert newer.exists() and not damaged.exists()
+
+
 # ---- the C module and the Python fallback --------------------------------------------------------------
 IMPLS = ["native", "python"]
 

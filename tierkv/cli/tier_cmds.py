@@ -191,6 +191,9 @@ def _verify(args: argparse.Namespace) -> int:
             why = "no key given" if not report.key_given else "sealed by a key not given"
             how.append(f"{report.structure_only} checked for structure and checksum only ({why})")
         out.print(f"encrypted records: {'; '.join(how)}")
+    if report.newer:
+        out.print(f"{report.newer} record(s) in a newer format version (checksum sound; kept: a newer tierkv "
+                  f"reads them)")
     if report.hint:
         warn(report.hint)
     if report.remaining and not args.repair:

@@ -284,7 +284,8 @@ def _check(data: bytes, rel: str, fp: str, layout: Layout | None, bound: int, ke
     try:
         header = verify_record(data, max_raw_bytes=bound, keys=keys)
     except CorruptRecord as exc:
-        return Problem(rel, exc.reason, str(exc))
+        # intact, in a format version a newer tierkv wrote: not this reader's to judge or remove
+        return "newer" if exc.reason == "newer" else Problem(rel, exc.reason, str(exc))
     problem = _agrees(header, rel, fp, layout)
     if problem is not None:
         return problem
@@ -402,6 +403,7 @@ async def verify_tier(url: str, storage_options: dict[str, Any] | None = None, *
                         report.ok += 1
                         report.authenticated += problem == "authenticated"
                         report.structure_only += problem == "structure"
+                        report.newer += problem == "newer"
                     else:
                         report.corrupt.append(problem)
                         to_delete.append((f"{base}/{rel}", problem))

@@ -166,6 +166,9 @@ class VerifyReport:
     """Sound encrypted records decrypted with a given key: their authenticity is checked."""
     structure_only: int = 0
     """Sound encrypted records whose key was not given: structure and checksum checked only."""
+    newer: int = 0
+    """Records of a format version newer than this reader's whose checksum holds: counted sound,
+    never removed (a newer tierkv reads them)."""
 
     @property
     def found(self) -> bool:
@@ -205,7 +208,8 @@ class VerifyReport:
                 "temp_files": [asdict(t) for t in self.temp_files], "namespaces": self.namespaces,
                 "repaired": self.repaired, "removed": self.removed, "clean": self.clean,
                 "found": self.found, "hint": self.hint, "key_given": self.key_given,
-                "authenticated": self.authenticated, "structure_only": self.structure_only}
+                "authenticated": self.authenticated, "structure_only": self.structure_only,
+                "newer": self.newer}
 
 
 # ---- listing ----------------------------------------------------------------------------------------
