@@ -24,17 +24,17 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from tierkv.daemon.config import DaemonConfig
-from tierkv.daemon.protocol import HEADER_BYTES, MAX_REQUEST_ID, VERSION, body_length, decode, encode
-from tierkv.errors import ConfigError, InvalidArgument, TierKVError
+from tierkv.daemon.protocol import MAX_REQUEST_ID, VERSION, recv_message, send_message
+from tierkv.errors import ConfigError, InvalidArgument, TierKVError, TierUnavailable
 from tierkv.keys import GROUP_BYTES, MAX_HASH_BYTES
 from tierkv.layout import Layout
 from tierkv.store import TieredStore
@@ -42,6 +42,7 @@ from tierkv.store import TieredStore
 __all__ = ["Daemon", "prepare_socket"]
 
 log = logging.getLogger("tierkv.daemon")
+T = TypeVar("T")
 
 _LOOKUP_CHAR = {"hit": "h", "pending": "p", "miss": "m"}
 
@@ -112,54 +113,66 @@ class Daemon:
         self._stores: dict[str, _Served] = {}
         self._opening = anyio.Lock()
         self._ids = itertools.count(1)
-        self._clients = 0
+        self._live: set[socket.socket] = set()
 
     async def serve(self, sock: socket.socket, ready: Callable[[], None] | None = None) -> None:
-        """Accept connections on ``sock`` until cancelled; every store is closed on the way out."""
+        """Accept connections on ``sock`` until cancelled; every store is closed on the way out.
+
+        Each connection is served on a thread of its own with blocking I/O: a lookup's round trip
+        is then two thread wake-ups, not a trip through the event loop (the store's synchronous
+        methods may be called from any thread); what must run on the loop (opening a store,
+        ``flush``) is handed to it.
+        """
         listener = await anyio.abc.SocketListener.from_socket(sock)
+        limiter = anyio.CapacityLimiter(self.config.max_clients + 1)
         try:
             async with anyio.create_task_group() as tg:
                 if ready is not None:
                     ready()
                 while True:
                     stream = await listener.accept()
-                    tg.start_soon(self._connection, stream)
+                    conn = stream.extra(anyio.abc.SocketAttribute.raw_socket).dup()
+                    await stream.aclose()
+                    conn.setblocking(True)
+                    self._live.add(conn)
+                    tg.start_soon(partial(anyio.to_thread.run_sync, self._connection, conn,
+                                          abandon_on_cancel=True, limiter=limiter))
         finally:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
+                for conn in list(self._live):  # wakes the threads blocked reading them
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
                 for served in list(self._stores.values()):
                     await served.store.close()
                 self._stores.clear()
 
-    # ---- one connection -------------------------------------------------------------------------
-    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+    # ---- one connection, on its own thread ------------------------------------------------------
+    def _connection(self, sock: socket.socket) -> None:
         conn = _Conn(next(self._ids))
-        self._clients += 1
-        reader = BufferedByteReceiveStream(stream)
         try:
-            if self._clients > self.config.max_clients:
+            if len(self._live) > self.config.max_clients:
                 raise InvalidArgument(f"the daemon serves at most {self.config.max_clients} connections")
             while True:
                 try:
-                    n = body_length(await reader.receive_exactly(HEADER_BYTES))
-                    msg = decode(await reader.receive_exactly(n))
-                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                        anyio.ClosedResourceError):
+                    msg = recv_message(sock)
+                except TierUnavailable:  # the client hung up
                     return
-                reply = await self._handle(conn, msg)
+                reply = self._handle(conn, msg)
                 if reply is not None:
-                    await stream.send(encode(reply))
-        except InvalidArgument as exc:  # a message not to be served: say why, then hang up
+                    send_message(sock, reply)
+        except TierKVError as exc:  # a message not to be served: say why, then hang up
             log.warning("connection %d refused: %s", conn.id, exc)
             with contextlib.suppress(Exception):
-                await stream.send(encode({"error": str(exc), "fatal": True}))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                send_message(sock, {"error": str(exc), "fatal": True})
+        except OSError:
             pass
+        except Exception:  # a bug: this connection ends, the daemon serves on
+            log.exception("connection %d failed", conn.id)
         finally:
-            self._clients -= 1
+            self._live.discard(sock)
             self._drop(conn)
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+            sock.close()
 
     def _drop(self, conn: _Conn) -> None:
         """The connection is gone: release its requests' pins, abandon its reservations."""
@@ -177,10 +190,10 @@ class Daemon:
         conn.requests.clear()
         conn.reserved.clear()
 
-    async def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         op = msg.get("op")
         if op == "hello":
-            return await self._hello(conn, msg)
+            return self._on_loop(self._hello, conn, msg)
         served = conn.served
         if served is None:
             raise InvalidArgument("say hello first")
@@ -188,13 +201,20 @@ class Daemon:
         if handler is None:
             raise InvalidArgument(f"unknown operation {str(op)[:40]!r}")
         if op == "flush":
-            await served.store.flush()
+            self._on_loop(served.store.flush)
             return {}
         call = handler(self, conn, served, msg)  # parses first: a bad field is fatal
         try:
             return call()
         except TierKVError as exc:  # the store refused a well-formed message: answer, stay
             return {"error": str(exc), "fatal": False}
+
+    def _on_loop(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """Run ``fn`` on the daemon's event loop; :class:`TierUnavailable` once it has stopped."""
+        try:
+            return anyio.from_thread.run(fn, *args)
+        except RuntimeError as exc:  # the loop is gone: the daemon is stopping
+            raise TierUnavailable(f"the daemon is stopping: {exc}") from None
 
     async def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.served is not None:
