@@ -80,6 +80,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     rc, err = d.stop()
     assert rc == 0, err
     assert not os.path.exists(d.socket), "the socket file outlived the daemon"
+    assert not list(Path(d.config).parent.glob("tierkv-daemon-*")), "a pool file outlived the daemon"
 
 
 #: a client in a process of its own: puts blocks, optionally pins them for a request, then waits
@@ -228,7 +229,8 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
         assert store.lookup(0, half) == [Lookup.HIT] * 2
 
 
-def test_the_socket_and_the_pool_are_owner_only_by_default(daemon: Daemon, tmp_path: Path) -> None:
+def test_the_socket_and_the_pool_are_owner_only_by_default_and_ctrl_c_stops_cleanly(
+        daemon: Daemon, tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
     pools = list(Path(daemon.config).parent.glob("tierkv-daemon-*"))
     assert pools and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pools)
@@ -236,7 +238,11 @@ def test_the_socket_and_the_pool_are_owner_only_by_default(daemon: Daemon, tmp_p
     try:
         assert stat.S_IMODE(os.stat(wide.socket).st_mode) == 0o660
     finally:
-        assert wide.stop()[0] == 0
+        assert wide.proc is not None
+        wide.proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop too
+        rc, err = wide.stop()
+    assert rc == 0, err
+    assert not os.path.exists(wide.socket)
 
 
 async def test_a_killed_daemon_costs_a_miss_and_a_restarted_one_serves_the_lower_tier(tmp_path: Path) -> None:

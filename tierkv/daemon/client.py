@@ -141,8 +141,8 @@ class DaemonStore(TieredStore):
                 scatter_rows(pool, [slots[i] for i in rows], data)
                 ok = True
         finally:
-            try:
-                self._link.call({"op": "commit", **msg, "ok": ok}, retry=False)
+            try:  # no answer to wait for: this connection's next message is served after it
+                self._link.call({"op": "commit", **msg, "ok": ok, "nr": True}, reply=False, retry=False)
             except TierUnavailable:
                 ok = False
             if not ok:

@@ -133,7 +133,9 @@ def _map_pools(path: str, pools: list[list[int]]) -> dict[int, torch.Tensor]:
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        # populated now, as the daemon's own mapping is: a first copy into unmapped pages faults
+        # every 4 KiB
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
     flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive

@@ -204,10 +204,15 @@ class Daemon:
             self._on_loop(served.store.flush)
             return {}
         call = handler(self, conn, served, msg)  # parses first: a bad field is fatal
+        quiet = msg.get("nr") is True  # the client reads no answer to this one
         try:
-            return call()
+            answer = call()
         except TierKVError as exc:  # the store refused a well-formed message: answer, stay
+            if quiet:
+                log.warning("connection %d: %s failed: %s", conn.id, op, exc)
+                return None
             return {"error": str(exc), "fatal": False}
+        return None if quiet else answer
 
     def _on_loop(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run ``fn`` on the daemon's event loop; :class:`TierUnavailable` once it has stopped."""
