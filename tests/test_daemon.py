@@ -291,3 +291,32 @@ def test_serve_refuses_a_bad_config_or_socket_path_in_one_line(tmp_path: Path) -
                             str(sock)], env=ENV, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("tierkv: error: "), r.stderr
+
+
+async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_arguments(
+        tmp_path: Path) -> None:
+    from tierkv import StoreClosed
+    from tierkv.daemon.client import DaemonStore
+
+    store = TieredStore({"layout": SMALL, "daemon": str(tmp_path / "nobody.sock"), "max_pending_s": 0.5})
+    assert isinstance(store, DaemonStore)
+    hs = hashes(3, 9)
+    with pytest.raises(StoreClosed):
+        store.lookup(0, hs)
+    async with store:
+        t0 = time.monotonic()
+        assert store.lookup(0, hs) == [Lookup.MISS] * 3
+        assert store.lookup_prefix(hs).state is Lookup.MISS
+        with pytest.raises(BlockMissing):
+            await store.get(0, hs, torch.zeros(3, 4096, dtype=torch.uint8))
+        await store.put(0, hs, blocks(3, 4096))
+        assert time.monotonic() - t0 < 0.5
+        st = store.stats()
+        assert st.put_blocks_dropped == 3 and st.lookups["miss"] >= 4
+        with pytest.raises(InvalidArgument):
+            await store.put(0, hs, blocks(2, 4096))  # rows that do not match the hashes
+        with pytest.raises(InvalidArgument):
+            store.lookup(0, [hs[0], hs[0]])
+        with pytest.raises(InvalidArgument):
+            async with store.borrow(0, hs):
+                pass
