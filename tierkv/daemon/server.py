@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
@@ -63,7 +64,9 @@ class _Conn:
 
     id: int
     served: _Served | None = None
-    requests: set[str] = field(default_factory=set)
+    #: request id -> when it was last named, oldest first (ids idle past the pin lease are
+    #: forgotten: the store has dropped their pins already)
+    requests: dict[str, float] = field(default_factory=dict)
     reserved: dict[int, set[bytes]] = field(default_factory=dict)
 
 
@@ -293,7 +296,13 @@ def _request(conn: _Conn, msg: dict[str, Any], required: bool = False) -> str | 
     if not isinstance(r, str) or not 0 < len(r) <= MAX_REQUEST_ID:
         raise InvalidArgument(f"r (the request id) must be a string of 1..{MAX_REQUEST_ID} characters")
     rid = f"{conn.id}/{r}"
-    conn.requests.add(rid)
+    requests, now = conn.requests, time.monotonic()
+    requests.pop(rid, None)
+    requests[rid] = now
+    if len(requests) > 4096:
+        lease = conn.served.store.config.pin_lease_s if conn.served is not None else 0.0
+        while requests and now - next(iter(requests.values())) > lease:
+            del requests[next(iter(requests))]
     return rid
 
 
@@ -344,7 +353,7 @@ def _release(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Ca
     assert rid is not None
 
     def call() -> dict[str, Any]:
-        conn.requests.discard(rid)
+        conn.requests.pop(rid, None)
         served.store.release(rid)
         return {}
     return call
