@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import blocks, hashes
+from tests.helpers import FULL, REC, SW, blocks, hashes, hybrid_layout
 from tierkv import BlockMissing, GroupSpec, InvalidArgument, Layout, Lookup, TieredStore
 from tierkv.daemon.protocol import MAX_MESSAGE, encode, recv_message
 
@@ -87,7 +87,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 CLIENT = """
 import sys, time, anyio, torch
 from tierkv import TieredStore, Layout
-from tests.helpers import blocks, hashes
+from tests.helpers import FULL, REC, SW, blocks, hashes, hybrid_layout
 sock, layout, n, doc, pin = sys.argv[1], Layout.model_validate_json(sys.argv[2]), *map(int, sys.argv[3:6])
 async def main():
     async with TieredStore({"layout": layout, "daemon": sock}) as s:
@@ -320,3 +320,18 @@ async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_
         with pytest.raises(InvalidArgument):
             async with store.borrow(0, hs):
                 pass
+
+
+async def test_prefix_lookups_follow_the_hybrid_rules_as_in_process(daemon: Daemon) -> None:
+    layout = hybrid_layout(bb=1024, window=2)
+    hs = hashes(6, 11)
+    puts = {FULL: list(range(6)), SW: [2, 3, 4, 5], REC: [3]}  # a recurrent state at block 3 only
+    local = TieredStore({"layout": layout, "tiers": [{"kind": "cpu", "capacity_bytes": 1 << 20}]})
+    async with daemon.store(layout, namespace="a") as remote, local:
+        for store in (remote, local):
+            for group, idx in puts.items():
+                nbytes = layout.groups[group].block_bytes
+                await store.put(group, [hs[i] for i in idx], blocks(len(idx), nbytes, seed=group))
+        answers = [(remote.lookup_prefix(hs[:k]), local.lookup_prefix(hs[:k])) for k in range(1, 7)]
+    assert [r for r, _ in answers] == [lo for _, lo in answers]
+    assert answers[3][0].blocks == 4 and answers[5][0].blocks == 4  # the recurrent state decides
