@@ -267,6 +267,14 @@ async def test_a_killed_daemon_costs_a_miss_and_a_restarted_one_serves_the_lower
             assert store.stats().put_blocks_dropped == dropped + 1
             assert not store.connected
 
+            settings = json.loads(d.config.read_text())
+            d.config.write_text(json.dumps({**settings, "namespaces": ["someone-else"]}))
+            d.start()  # back, but no longer serving this namespace: the engine serves on, MISS
+            time.sleep(0.1)
+            assert store.lookup(0, hs) == [Lookup.MISS] * 4 and not store.connected
+            assert d.stop()[0] == 0
+
+            d.config.write_text(json.dumps(settings))
             d.start()  # the same socket path; a new pool, the same file tier
             deadline = time.monotonic() + 30
             while store.lookup_prefix(hs, request_id="again").state is not Lookup.HIT:

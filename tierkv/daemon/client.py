@@ -66,14 +66,23 @@ class DaemonStore(TieredStore):
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> None:
-        """Connect to the daemon; when it is not there, the store opens anyway and connects later."""
+        """Connect to the daemon; when it is not there, the store opens anyway and connects later.
+
+        :class:`InvalidArgument` when the daemon refuses this store (a namespace it does not
+        serve, a layout its pool cannot hold); a refusal on a later reconnection is logged, and
+        the store answers as while the daemon is unreachable."""
         if self._open:
             return
         self._open = True
+        self._link.closed = False
         try:
             self._link.call({"op": "stats"}, retry=False)
         except TierUnavailable as exc:
             log.warning("%s; lookups are MISS until it answers", exc)
+        except InvalidArgument:
+            self._open = False
+            raise
+        self._link.refusal_raises = False
 
     async def close(self) -> None:
         """Hang up: the daemon drops this store's pins and unfinished puts."""

@@ -7,6 +7,7 @@ again and says hello again, mapping the pool file the daemon names then.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
@@ -21,6 +22,8 @@ from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.layout import Layout
 
 __all__ = ["RETRY_S", "Link"]
+
+log = logging.getLogger("tierkv.daemon")
 
 #: after a failure, no new connection is tried for this long (a dead daemon costs nothing per call)
 RETRY_S = 0.05
@@ -42,6 +45,9 @@ class Link:
         #: bumped on every new connection: slots named under one generation mean nothing in another
         self.generation = 0
         self.closed = False
+        #: a hello the daemon refuses raises InvalidArgument (while the store opens), else it is
+        #: logged and the daemon treated as unreachable (a serving engine keeps serving)
+        self.refusal_raises = True
 
     @property
     def connected(self) -> bool:
@@ -105,7 +111,11 @@ class Link:
             raise TierUnavailable(f"tierkv daemon at {self.path} is not reachable: {exc}") from None
         if "error" in answer:
             sock.close()
-            raise InvalidArgument(f"tierkv daemon refused this store: {answer['error']}")
+            why = f"tierkv daemon at {self.path} refused this store: {answer['error']}"
+            if self.refusal_raises:
+                raise InvalidArgument(why)
+            log.warning("%s", why)
+            raise TierUnavailable(why)
         try:
             self.pools = _map_pools(str(answer["shm"]), answer["pools"])
         except (OSError, KeyError, TypeError, ValueError) as exc:
