@@ -151,7 +151,9 @@ class DaemonStore(TieredStore):
                 ok = True
         finally:
             try:  # no answer to wait for: this connection's next message is served after it
-                self._link.call({"op": "commit", **msg, "ok": ok, "nr": True}, reply=False, retry=False)
+                _, now = self._link.call({"op": "commit", **msg, "ok": ok, "nr": True}, reply=False,
+                                         retry=False)
+                ok = ok and now == gen  # a new connection: the reservation went with the old one
             except TierUnavailable:
                 ok = False
             if not ok:
@@ -245,19 +247,20 @@ class DaemonStore(TieredStore):
         if copied:
             assert pool is not None
             _gather(pool, answer["slots"], out8)
-        if not (self._unpin(msg, request_id) and copied):
+        if not (self._unpin(msg, request_id) == gen and copied):
             raise BlockMissing("the tierkv daemon went away while the blocks were copied", missing=everything)
 
-    def _unpin(self, msg: dict[str, Any], request_id: str | None) -> bool:
-        """Drop a get's pins; whether the daemon confirmed it (the rows stayed in place until now)."""
+    def _unpin(self, msg: dict[str, Any], request_id: str | None) -> int | None:
+        """Drop a get's pins: the connection's generation that confirmed it, None when none did.
+        Confirmed by the connection that pinned them, the rows stayed in place until now."""
         try:
             if request_id is None:
-                self._link.call({"op": "release", "r": msg["r"]}, retry=False)
+                _, gen = self._link.call({"op": "release", "r": msg["r"]}, retry=False)
             else:
-                self._link.call({"op": "unpin", **msg}, retry=False)
+                _, gen = self._link.call({"op": "unpin", **msg}, retry=False)
         except TierUnavailable:
-            return False
-        return True
+            return None
+        return gen
 
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, hashes: Sequence[bytes],
