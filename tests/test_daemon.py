@@ -294,11 +294,16 @@ def test_serve_refuses_a_bad_config_or_socket_path_in_one_line(tmp_path: Path) -
     bad.write_text(json.dumps({"cpu_bytes_to_use": -1}))
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20}))
-    for config, sock in ((bad, tmp_path / "s"), (good, tmp_path / "missing" / "s"), (good, good)):
+    tier = tmp_path / "tier.json"
+    tier.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "tiers": [{"kind": "nope"}]}))
+    cases = ((bad, tmp_path / "s", "cpu_bytes_to_use"), (tier, tmp_path / "s", "tiers.0"),
+             (good, tmp_path / "missing" / "s", "cannot listen"), (good, good, "not a socket"))
+    for config, sock, says in cases:
         r = subprocess.run([sys.executable, "-m", "tierkv.cli", "serve", "--config", str(config), "--socket",
                             str(sock)], env=ENV, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("tierkv: error: "), r.stderr
+        assert says in r.stderr
 
 
 async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_arguments(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,8 +50,12 @@ class DaemonConfig(StrictNumbers):
             super().__init__(**data)
         except ValidationError as exc:
             raise ConfigError(f"invalid daemon config: {format_validation_error(exc)}") from None
-        self.store_config(Layout.model_validate({"tokens_per_block": 1,
-                                                 "groups": [{"kind": "full", "block_bytes": 1}]}), "", "")
+        probe = Layout.model_validate({"tokens_per_block": 1, "groups": [{"kind": "full", "block_bytes": 1}]})
+        try:
+            self.store_config(probe, "", "")
+        except ConfigError as exc:  # the file's tiers.0 is the store's tiers.1 (0 is the pool)
+            why = re.sub(r"\btiers\.(\d+)", lambda m: f"tiers.{int(m.group(1)) - 1}", str(exc))
+            raise ConfigError(why.replace("invalid store config", "invalid daemon config", 1)) from None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> DaemonConfig:
