@@ -234,7 +234,7 @@ def test_the_socket_and_the_pool_are_owner_only_by_default_and_ctrl_c_stops_clea
     assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
     pools = list(Path(daemon.config).parent.glob("tierkv-daemon-*"))
     assert pools and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pools)
-    wide = Daemon(tmp_path, socket_mode=0o660).start()
+    wide = Daemon(tmp_path, socket_mode="0660").start()
     try:
         assert stat.S_IMODE(os.stat(wide.socket).st_mode) == 0o660
     finally:

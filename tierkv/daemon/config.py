@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError, format_validation_error
@@ -38,7 +38,8 @@ class DaemonConfig(StrictNumbers):
     max_pending_s: Seconds | None = None
     #: where the shared pool files live (a tmpfs: their pages are the pool's memory)
     shm_dir: str = "/dev/shm"
-    #: permission bits of the socket file: owner only unless widened (e.g. ``0o660`` for a group)
+    #: permission bits of the socket file: owner only unless widened; an int or an octal string
+    #: (``"0660"``: owner and group)
     socket_mode: int = Field(default=0o600, ge=0, le=0o777)
     #: stores (namespace and layout pairs) open at once; a client asking for one more is refused
     max_stores: Count = 8
@@ -56,6 +57,16 @@ class DaemonConfig(StrictNumbers):
         except ConfigError as exc:  # the file's tiers.0 is the store's tiers.1 (0 is the pool)
             why = re.sub(r"\btiers\.(\d+)", lambda m: f"tiers.{int(m.group(1)) - 1}", str(exc))
             raise ConfigError(why.replace("invalid store config", "invalid daemon config", 1)) from None
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return int(value.removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"not an octal mode: {value!r}") from None
+        return value
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> DaemonConfig:
