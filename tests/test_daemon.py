@@ -229,9 +229,11 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
         assert store.lookup(0, half) == [Lookup.HIT] * 2
 
 
-def test_the_socket_and_the_pool_are_owner_only_by_default_and_ctrl_c_stops_cleanly(
+async def test_the_socket_and_the_pool_are_owner_only_by_default_and_ctrl_c_stops_cleanly(
         daemon: Daemon, tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+    async with daemon.store():  # its pool file exists
+        pass
     pools = list(Path(daemon.config).parent.glob("tierkv-daemon-*"))
     assert pools and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in pools)
     wide = Daemon(tmp_path, socket_mode="0660").start()
