@@ -14,6 +14,7 @@ from pydantic import (
     SerializeAsAny,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from tierkv.backends.base import TierConfig
@@ -39,7 +40,8 @@ class StoreConfig(StrictNumbers):
     layout: Layout
     namespace: str = ""
     max_concurrent_requests: Count = 8
-    tiers: list[SerializeAsAny[TierConfig]]
+    #: the primary first, then the lower tiers; may be left out with ``daemon`` (the daemon owns them)
+    tiers: list[SerializeAsAny[TierConfig]] = Field(default_factory=list)
     #: the primary pools' eviction policy (tierkv.blocks.policy): ``slru`` (segmented LRU that keeps what
     #: was used again, its protected share picked online; plain LRU where that does best), ``lru``
     #: or ``arc``
@@ -60,6 +62,9 @@ class StoreConfig(StrictNumbers):
     #: open (needs the extra tierkv[metrics]); 0 picks a free port (``store.metrics_url`` tells)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    #: use the tierkv daemon listening on this Unix socket (``tierkv serve``) instead of an
+    #: in-process store: engines on one node share its pool and tiers (docs/daemon.md)
+    daemon: str | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -96,6 +101,12 @@ class StoreConfig(StrictNumbers):
             except TierKVError as exc:
                 raise ValueError(f"tiers.{i}: {exc}") from None
         return out
+
+    @model_validator(mode="after")
+    def _some_tier(self) -> StoreConfig:
+        if not self.tiers and self.daemon is None:
+            raise ValueError("tiers: at least one tier is needed (the primary pool), unless 'daemon' is set")
+        return self
 
     def metrics_address(self, environ: Mapping[str, str] | None = None) -> tuple[str, int, bool] | None:
         """Where to serve metrics: ``(host, port, from_environment)``, or None.
@@ -167,7 +178,7 @@ class StoreConfig(StrictNumbers):
 
         ``TIERKV_NAMESPACE``, ``TIERKV_MAX_CONCURRENT_REQUESTS``, ``TIERKV_POLICY``,
         ``TIERKV_PIN_LEASE_S``, ``TIERKV_RECOMPUTE_TOKENS_PER_S``, ``TIERKV_MAX_PENDING_S``,
-        ``TIERKV_METRICS_PORT`` and ``TIERKV_METRICS_HOST`` override top-level keys;
+        ``TIERKV_METRICS_PORT``, ``TIERKV_METRICS_HOST`` and ``TIERKV_DAEMON`` override top-level keys;
         ``TIERKV_TIERS`` takes JSON.
         """
         env = os.environ if environ is None else environ
@@ -175,7 +186,7 @@ class StoreConfig(StrictNumbers):
         if env.get(f"{ENV_PREFIX}CONFIG"):
             data.update(cls.from_file(env[f"{ENV_PREFIX}CONFIG"]).model_dump())
         for name in ("namespace", "max_concurrent_requests", "policy", "pin_lease_s",
-                     "recompute_tokens_per_s", "max_pending_s", "metrics_port", "metrics_host"):
+                     "recompute_tokens_per_s", "max_pending_s", "metrics_port", "metrics_host", "daemon"):
             val = env.get(ENV_PREFIX + name.upper())
             if val is not None:
                 data[name] = val

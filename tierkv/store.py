@@ -69,6 +69,15 @@ class TieredStore:
     a record").
     """
 
+    def __new__(cls, config: StoreConfig | Mapping[str, Any]) -> TieredStore:
+        if cls is TieredStore:
+            cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+            if cfg.daemon is not None:  # served by the tierkv daemon (docs/daemon.md)
+                from tierkv.daemon.client import DaemonStore
+
+                return super().__new__(DaemonStore)
+        return super().__new__(cls)
+
     def __init__(self, config: StoreConfig | Mapping[str, Any]) -> None:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
         self.layout: Layout = self.config.layout

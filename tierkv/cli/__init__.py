@@ -1,4 +1,4 @@
-"""The ``tierkv`` command: ``demo``, ``simulate``, ``replay``, ``inspect``, ``verify``, ``bench``.
+"""The ``tierkv`` command: ``demo``, ``simulate``, ``replay``, ``inspect``, ``verify``, ``bench``, ``serve``.
 
 Every command prints errors as one plain line (``tierkv: error: ...``), never a Python traceback:
 usage errors exit 2 (argparse), interrupts (Ctrl-C) 130, and each command documents its own exit
@@ -34,7 +34,7 @@ def _catch_interrupts() -> Any:
 # line and exit status as later, never a traceback out of an import
 _previous = _catch_interrupts()
 try:
-    from tierkv.cli import bench_cmds, replay_cmds, run_cmds, tier_cmds
+    from tierkv.cli import bench_cmds, replay_cmds, run_cmds, serve_cmds, tier_cmds
     from tierkv.cli.common import Formatter, error, interrupted
 finally:
     if _previous is not None:
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     tier_cmds.add_inspect(sub)
     tier_cmds.add_verify(sub)
     bench_cmds.add_bench(sub)
+    serve_cmds.add_serve(sub)
     return p
 
 

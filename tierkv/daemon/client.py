@@ -1,0 +1,333 @@
+"""``DaemonStore``: the store an engine gets from ``TieredStore(config)`` when ``config.daemon`` is set.
+
+It answers the public API (``put``, ``get``, ``lookup``, ``lookup_prefix``, ``release``,
+``flush``, ``stats``) through the daemon (:mod:`tierkv.daemon.server`): messages on the socket,
+block bytes copied once between the caller's tensors and the daemon's pool, which this process maps.
+
+While the daemon cannot be reached, nothing waits on it: lookups are MISS, ``get`` raises
+:class:`BlockMissing`, puts are dropped and counted (``put_blocks_dropped``), ``release`` does
+nothing; a later call reattaches when the daemon is back. A ``get`` whose copy could have raced a
+daemon restart (the pins that kept its rows in place were not confirmed released) raises
+:class:`BlockMissing` instead of returning what it copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from tierkv.backends.base import Tier
+from tierkv.blocks.pool import PoolPlan
+from tierkv.config import StoreConfig
+from tierkv.daemon.link import Link
+from tierkv.daemon.protocol import MAX_REQUEST_ID
+from tierkv.errors import BlockMissing, InvalidArgument, StoreClosed, TierUnavailable
+from tierkv.keys import check_hashes
+from tierkv.movement.engine import EngineSlots
+from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
+from tierkv.observing.metrics import StoreStats
+from tierkv.store import TieredStore
+from tierkv.tensors import byte_rows, contiguous_run, scatter_rows, wide_view
+
+__all__ = ["DaemonStore"]
+
+log = logging.getLogger("tierkv.daemon")
+
+_LOOKUP = {"h": Lookup.HIT, "p": Lookup.PENDING, "m": Lookup.MISS}
+_CPU = torch.device("cpu")
+#: the longest a call waits for the daemon's answer when ``max_pending_s`` does not bound it lower
+CALL_TIMEOUT_S = 5.0
+#: how long ``flush`` waits for the daemon's cascades
+FLUSH_TIMEOUT_S = 3600.0
+
+
+class DaemonStore(TieredStore):
+    """A store served by the tierkv daemon at ``config.daemon`` (see the module docstring)."""
+
+    def __init__(self, config: StoreConfig | Mapping[str, Any]) -> None:
+        self.config = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+        if self.config.daemon is None:
+            raise InvalidArgument("DaemonStore needs a config with 'daemon' (the daemon's socket path)")
+        self.layout = self.config.layout
+        self.fingerprint = self.config.fingerprint
+        pending = self.config.max_pending_s
+        self._timeout = min(CALL_TIMEOUT_S, pending) if pending is not None else CALL_TIMEOUT_S
+        self._link = Link(self.config.daemon, self.config.namespace, self.layout, self._timeout)
+        self._open = False
+        self._ids = itertools.count(1)
+        self._local = {"put_blocks_dropped": 0, "lookups_unreachable": 0}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Connect to the daemon; when it is not there, the store opens anyway and connects later.
+
+        :class:`InvalidArgument` when the daemon refuses this store (a namespace it does not
+        serve, a layout its pool cannot hold); a refusal on a later reconnection is logged, and
+        the store answers as while the daemon is unreachable."""
+        if self._open:
+            return
+        self._open = True
+        self._link.closed = False
+        try:
+            self._link.call({"op": "stats"}, retry=False)
+        except TierUnavailable as exc:
+            log.warning("%s; lookups are MISS until it answers", exc)
+        except InvalidArgument:
+            self._open = False
+            raise
+        self._link.refusal_raises = False
+
+    async def close(self) -> None:
+        """Hang up: the daemon drops this store's pins and unfinished puts."""
+        self._open = False
+        self._link.close()
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise StoreClosed("the store is not open: use 'async with TieredStore(config) as store'")
+
+    @property
+    def connected(self) -> bool:
+        """Whether the store is attached to the daemon now."""
+        return self._link.connected
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """None in this process: the daemon holds the tiers."""
+        return []
+
+    @property
+    def metrics_url(self) -> str | None:
+        """None: the daemon's store counts (``stats()``)."""
+        return None
+
+    @property
+    def engine(self) -> EngineSlots:
+        """Not available through the daemon."""
+        raise InvalidArgument("store.engine is not available through the tierkv daemon (docs/daemon.md)")
+
+    def _rows(self, group: int, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """Checked hashes and the group's block bytes."""
+        self._check_open()
+        hs = check_hashes(hashes)
+        spec = self.layout.group(group)
+        if spec.kind == "scratch":
+            raise InvalidArgument(f"group {group} has no pool")
+        return hs, spec.block_bytes
+
+    # ---- put ------------------------------------------------------------------------------------
+    async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Store ``blocks[i]`` as block ``hashes[i]`` of ``group`` in the daemon's pool; dropped and
+        counted (``put_blocks_dropped``) when the daemon is not reachable or has no room."""
+        hs, block_bytes = self._rows(group, hashes)
+        src = byte_rows(blocks, len(hs), block_bytes, "blocks", _CPU)
+        if not hs:
+            return
+        msg = {"g": group, "h": [h.hex() for h in hs]}
+        try:
+            answer, gen = self._link.call({"op": "reserve", **msg})
+        except TierUnavailable:
+            self._local["put_blocks_dropped"] += len(hs)
+            return
+        slots = answer.get("slots")
+        if slots is None:
+            return  # no room: the daemon counted them
+        rows = [i for i, s in enumerate(slots) if s is not None]
+        if not rows:
+            return
+        ok = False
+        try:
+            pool = self._link.pools.get(group)
+            if pool is not None and self._link.generation == gen:
+                data = src if len(rows) == len(hs) else src.index_select(0, torch.tensor(rows))
+                scatter_rows(pool, [slots[i] for i in rows], data)
+                ok = True
+        finally:
+            try:  # no answer to wait for: this connection's next message is served after it
+                _, now = self._link.call({"op": "commit", **msg, "ok": ok, "nr": True}, reply=False,
+                                         retry=False)
+                ok = ok and now == gen  # a new connection: the reservation went with the old one
+            except TierUnavailable:
+                ok = False
+            if not ok:
+                self._local["put_blocks_dropped"] += len(rows)
+
+    async def flush(self) -> None:
+        """Wait until the daemon's store has written its cascades down (all clients' blocks)."""
+        with contextlib.suppress(TierUnavailable):
+            self._link.call({"op": "flush"}, timeout_s=FLUSH_TIMEOUT_S)
+
+    async def idle(self) -> None:
+        """As :meth:`flush`."""
+        await self.flush()
+
+    # ---- lookups --------------------------------------------------------------------------------
+    def lookup(self, group: int, hashes: Sequence[bytes], request_id: str | None = None) -> list[Lookup]:
+        """Per block: HIT, PENDING or MISS, as :meth:`TieredStore.lookup`; all MISS while the daemon
+        is not reachable. Never waits longer than ``max_pending_s`` (or 5 s)."""
+        hs, _ = self._rows(group, hashes)
+        msg: dict[str, Any] = {"op": "lookup", "g": group, "h": [h.hex() for h in hs]}
+        if request_id is not None:
+            msg["r"] = _user(request_id)
+        try:
+            answer, _ = self._link.call(msg)
+        except TierUnavailable:
+            self._local["lookups_unreachable"] += len(hs)
+            return [Lookup.MISS] * len(hs)
+        return [_LOOKUP[c] for c in answer["s"]]
+
+    def lookup_prefix(self, hashes: Sequence[bytes], request_id: str | None = None) -> PrefixLookup:
+        """As :meth:`TieredStore.lookup_prefix`; ``(0, MISS)`` while the daemon is not reachable."""
+        self._check_open()
+        hs = check_hashes(hashes)
+        msg: dict[str, Any] = {"op": "prefix", "h": [h.hex() for h in hs]}
+        if request_id is not None:
+            msg["r"] = _user(request_id)
+        try:
+            answer, _ = self._link.call(msg)
+        except TierUnavailable:
+            self._local["lookups_unreachable"] += 1
+            return PrefixLookup(blocks=0, state=Lookup.MISS)
+        return PrefixLookup(blocks=int(answer["n"]), state=Lookup(answer["s"]))
+
+    def lookup_states(self, group: int, hashes: Sequence[bytes],
+                      request_id: str | None = None) -> list[KeyState]:
+        """Not available through the daemon (use :meth:`lookup`)."""
+        raise InvalidArgument("lookup_states is not available through the tierkv daemon: use lookup")
+
+    def release(self, request_id: str) -> None:
+        """Drop every pin ``request_id`` holds (nothing to do while the daemon is not reachable)."""
+        self._check_open()
+        if type(request_id) is not str:
+            raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+        with contextlib.suppress(TierUnavailable):
+            self._link.call({"op": "release", "r": _user(request_id)}, retry=False)
+
+    # ---- get ------------------------------------------------------------------------------------
+    async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
+                  request_id: str | None = None) -> None:
+        """Copy blocks into the rows of ``out`` (a CPU tensor), waiting for PENDING ones.
+
+        Raises :class:`BlockMissing` naming the blocks no tier holds, or all of them when the
+        daemon is not reachable (or went away while they were copied).
+        """
+        hs, block_bytes = self._rows(group, hashes)
+        out8 = byte_rows(out, len(hs), block_bytes, "out", _CPU, writable=True)
+        if not hs:
+            return
+        rid = _user(request_id) if request_id is not None else f"g:{next(self._ids)}"
+        msg = {"g": group, "h": [h.hex() for h in hs], "r": rid}
+        pending = self.config.max_pending_s or 60.0
+        deadline = time.monotonic() + pending + self._timeout
+        nap = 0.0005
+        everything = list(range(len(hs)))
+        while True:
+            try:
+                answer, gen = self._link.call({"op": "pin", **msg})
+            except TierUnavailable:
+                raise BlockMissing("the tierkv daemon is not reachable", missing=everything) from None
+            states: str = answer["s"]
+            if "m" in states or time.monotonic() > deadline:
+                self._unpin(msg, request_id)
+                missing = [i for i, c in enumerate(states) if c != "h"]
+                raise BlockMissing(f"{len(missing)} of {len(hs)} blocks are held by no tier", missing=missing)
+            if "p" not in states:
+                break
+            await anyio.sleep(nap)
+            nap = min(nap * 2, 0.005)
+        pool = self._link.pools.get(group)
+        copied = pool is not None and self._link.generation == gen
+        if copied:
+            assert pool is not None
+            _gather(pool, answer["slots"], out8)
+        if not (self._unpin(msg, request_id) == gen and copied):
+            raise BlockMissing("the tierkv daemon went away while the blocks were copied", missing=everything)
+
+    def _unpin(self, msg: dict[str, Any], request_id: str | None) -> int | None:
+        """Drop a get's pins: the connection's generation that confirmed it, None when none did.
+        Confirmed by the connection that pinned them, the rows stayed in place until now."""
+        try:
+            if request_id is None:
+                _, gen = self._link.call({"op": "release", "r": msg["r"]}, retry=False)
+            else:
+                _, gen = self._link.call({"op": "unpin", **msg}, retry=False)
+        except TierUnavailable:
+            return None
+        return gen
+
+    @contextlib.asynccontextmanager
+    async def borrow(self, group: int, hashes: Sequence[bytes],
+                     request_id: str | None = None) -> AsyncIterator[torch.Tensor]:
+        """Not available through the daemon (use :meth:`get`)."""
+        raise InvalidArgument("borrow is not available through the tierkv daemon: use get")
+        yield torch.empty(0)  # pragma: no cover
+
+    @contextlib.contextmanager
+    def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
+        """Not available through the daemon (use :meth:`get`)."""
+        raise InvalidArgument("lend_slots is not available through the tierkv daemon: use get")
+        yield None  # pragma: no cover
+
+    # ---- state ----------------------------------------------------------------------------------
+    def subscribe_tier_events(self, listener: Callable[[int, str, list[bytes]], None]) -> None:
+        """Not available through the daemon."""
+        raise InvalidArgument("tier events are not available through the tierkv daemon")
+
+    def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
+        """None in this process: the daemon's store observes them."""
+        return []
+
+    def set_recompute_rate(self, tokens_per_s: float) -> None:
+        """Ignored: the daemon's store keeps its own cost model."""
+
+    def has_pending_work(self) -> bool:
+        """False: the work runs in the daemon."""
+        return False
+
+    def check(self) -> list[str]:
+        """Consistency problems of this process's side: none is kept here."""
+        return []
+
+    def stats(self) -> StoreStats:
+        """The daemon's store's counters (shared by every client of this namespace and layout), plus
+        this process's puts dropped and lookups answered MISS while the daemon was not reachable."""
+        try:
+            answer, _ = self._link.call({"op": "stats"})
+            st = StoreStats.model_validate(answer["stats"])
+        except TierUnavailable:
+            plan = PoolPlan(capacity_bytes=0, max_concurrent_requests=self.config.max_concurrent_requests,
+                            groups=[])
+            st = StoreStats(plan=plan, tiers=[], groups=[], lookups={v.value: 0 for v in Lookup},
+                            requests_active=0, admission_queue=0, promotions_pending=0, puts=0,
+                            put_blocks_direct=0, put_blocks_dropped=0, evictions_unbacked=0, leases_expired=0)
+        lookups = dict(st.lookups)
+        lookups["miss"] = lookups.get("miss", 0) + self._local["lookups_unreachable"]
+        dropped = st.put_blocks_dropped + self._local["put_blocks_dropped"]
+        return st.model_copy(update={"lookups": lookups, "put_blocks_dropped": dropped})
+
+
+def _user(request_id: object) -> str:
+    if type(request_id) is not str:
+        raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+    if not 0 < len(request_id) <= MAX_REQUEST_ID - 2:
+        raise InvalidArgument(f"request_id must be 1..{MAX_REQUEST_ID - 2} characters through the daemon")
+    return f"u:{request_id}"
+
+
+def _gather(pool: torch.Tensor, slots: list[int], out8: torch.Tensor) -> None:
+    """``out8[i] = pool[slots[i]]`` in one batched copy (one ``copy_`` for a run of slots)."""
+    run = contiguous_run(slots)
+    if run is not None:
+        out8.copy_(pool[run[0]:run[1]])
+        return
+    src, dst = wide_view(pool), wide_view(out8)
+    if src.dtype != dst.dtype:
+        src, dst = pool, out8
+    torch.index_select(src, 0, torch.tensor(slots, dtype=torch.int64), out=dst)

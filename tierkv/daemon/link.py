@@ -1,0 +1,157 @@
+"""A client's connection to the daemon: hello, calls, the mapped pool, and reattaching.
+
+Every failure to reach the daemon (no socket, refused, closed, a timeout) closes the connection
+and raises :class:`TierUnavailable`; the next call (no sooner than :data:`RETRY_S` later) connects
+again and says hello again, mapping the pool file the daemon names then.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tierkv.daemon.protocol import VERSION, recv_message, send_message
+from tierkv.errors import InvalidArgument, TierUnavailable
+from tierkv.layout import Layout
+
+__all__ = ["RETRY_S", "Link"]
+
+log = logging.getLogger("tierkv.daemon")
+
+#: after a failure, no new connection is tried for this long (a dead daemon costs nothing per call)
+RETRY_S = 0.05
+
+
+class Link:
+    """One connection at a time to the daemon at ``path``, serving ``namespace`` and ``layout``."""
+
+    def __init__(self, path: str, namespace: str, layout: Layout, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._hello = {"op": "hello", "version": VERSION, "namespace": namespace,
+                       "layout": layout.model_dump(mode="json")}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_try = 0.0
+        #: each group's pool rows in the mapped pool file (empty while not connected)
+        self.pools: dict[int, torch.Tensor] = {}
+        #: bumped on every new connection: slots named under one generation mean nothing in another
+        self.generation = 0
+        self.closed = False
+        #: a hello the daemon refuses raises InvalidArgument (while the store opens), else it is
+        #: logged and the daemon treated as unreachable (a serving engine keeps serving)
+        self.refusal_raises = True
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is up now."""
+        return self._sock is not None
+
+    def call(self, msg: dict[str, Any], *, reply: bool = True, retry: bool = True,
+             timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
+        """Send ``msg`` and read the answer: ``(answer, generation)``.
+
+        With ``retry``, a connection found broken is replaced and the message sent once more (for
+        messages that hold nothing on the old connection). Raises :class:`TierUnavailable` when the
+        daemon cannot be reached, :class:`InvalidArgument` when it refuses the message.
+        """
+        with self._lock:
+            fresh = self._sock is None
+            sock = self._connect()
+            try:
+                return self._exchange(sock, msg, reply, timeout_s), self.generation
+            except (OSError, TierUnavailable) as exc:
+                self._disconnect()
+                if fresh or not retry:
+                    raise TierUnavailable(f"tierkv daemon at {self.path}: {exc}") from None
+            sock = self._connect()  # the daemon restarted since the last call: reattach once
+            try:
+                return self._exchange(sock, msg, reply, timeout_s), self.generation
+            except (OSError, TierUnavailable) as exc:
+                self._disconnect()
+                raise TierUnavailable(f"tierkv daemon at {self.path}: {exc}") from None
+
+    def _exchange(self, sock: socket.socket, msg: dict[str, Any], reply: bool,
+                  timeout_s: float | None) -> dict[str, Any]:
+        sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+        send_message(sock, msg)
+        if not reply:
+            return {}
+        answer = recv_message(sock)
+        if "error" in answer:
+            if answer.get("fatal"):
+                self._disconnect()
+            raise InvalidArgument(f"tierkv daemon: {answer['error']}")
+        return answer
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        if self.closed:
+            raise TierUnavailable("the store is closed")
+        now = time.monotonic()
+        if now < self._next_try:
+            raise TierUnavailable(f"tierkv daemon at {self.path} is not reachable (retrying)")
+        self._next_try = now + RETRY_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout_s)
+            sock.connect(self.path)
+            send_message(sock, self._hello)
+            answer = recv_message(sock)
+        except (OSError, TierUnavailable) as exc:
+            sock.close()
+            raise TierUnavailable(f"tierkv daemon at {self.path} is not reachable: {exc}") from None
+        if "error" in answer:
+            sock.close()
+            why = f"tierkv daemon at {self.path} refused this store: {answer['error']}"
+            if self.refusal_raises:
+                raise InvalidArgument(why)
+            log.warning("%s", why)
+            raise TierUnavailable(why)
+        try:
+            self.pools = _map_pools(str(answer["shm"]), answer["pools"])
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            sock.close()
+            raise TierUnavailable(f"cannot map the daemon's pool: {exc}") from None
+        self._sock = sock
+        self.generation += 1
+        return sock
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.pools = {}
+
+    def close(self) -> None:
+        """Hang up; no call connects again."""
+        with self._lock:
+            self.closed = True
+            self._disconnect()
+
+
+def _map_pools(path: str, pools: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Each group's ``[slots, block_bytes]`` rows in the pool file at ``path``, mapped shared."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        # populated now, as the daemon's own mapping is: a first copy into unmapped pages faults
+        # every 4 KiB
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    out = {}
+    for group, offset, slots, block_bytes in pools:
+        if offset < 0 or offset + slots * block_bytes > size:
+            raise ValueError(f"group {group}'s pool lies outside the {size}-byte file")
+        out[int(group)] = flat[offset:offset + slots * block_bytes].view(slots, block_bytes)
+    return out
