@@ -337,6 +337,14 @@ async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_
                 pass
 
 
+def test_a_layout_of_several_blocks_to_a_record_is_refused_in_one_clear_error(tmp_path: Path) -> None:
+    from tierkv import ConfigError
+
+    chunked = Layout(tokens_per_block=16, blocks_per_record=2, groups=[{"kind": "full", "block_bytes": 4096}])
+    with pytest.raises(ConfigError, match="blocks_per_record"):
+        TieredStore({"layout": chunked, "daemon": str(tmp_path / "d.sock")})
+
+
 async def test_prefix_lookups_follow_the_hybrid_rules_as_in_process(daemon: Daemon) -> None:
     layout = hybrid_layout(bb=1024, window=2)
     hs = hashes(6, 11)

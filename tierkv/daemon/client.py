@@ -28,7 +28,7 @@ from tierkv.blocks.pool import PoolPlan
 from tierkv.config import StoreConfig
 from tierkv.daemon.link import Link
 from tierkv.daemon.protocol import MAX_REQUEST_ID
-from tierkv.errors import BlockMissing, InvalidArgument, StoreClosed, TierUnavailable
+from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed, TierUnavailable
 from tierkv.keys import check_hashes
 from tierkv.movement.engine import EngineSlots
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
@@ -56,6 +56,9 @@ class DaemonStore(TieredStore):
         if self.config.daemon is None:
             raise InvalidArgument("DaemonStore needs a config with 'daemon' (the daemon's socket path)")
         self.layout = self.config.layout
+        if self.layout.blocks_per_record != 1:
+            raise ConfigError("daemon: layouts with blocks_per_record > 1 are not served through the tierkv "
+                              "daemon yet; use an in-process store (leave 'daemon' out)")
         self.fingerprint = self.config.fingerprint
         pending = self.config.max_pending_s
         self._timeout = min(CALL_TIMEOUT_S, pending) if pending is not None else CALL_TIMEOUT_S
