@@ -23,7 +23,7 @@ from tierkv.errors import ConfigError, TierKVError, format_validation_error
 from tierkv.layout import Layout
 from tierkv.quantities import Count, Seconds, StrictNumbers, TokenRate
 
-__all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error"]
+__all__ = ["ENV_PREFIX", "StoreConfig", "format_validation_error", "read_config_file"]
 
 ENV_PREFIX = "TIERKV_"
 
@@ -145,31 +145,7 @@ class StoreConfig(StrictNumbers):
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> StoreConfig:
         """Read a JSON or YAML file (YAML needs PyYAML)."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-        data: Any
-        if p.suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise ConfigError("YAML config files need PyYAML: pip install pyyaml") from None
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as exc:
-                # the problem and where, never the offending text (it may be a secret)
-                mark = getattr(exc, "problem_mark", None)
-                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-                problem = getattr(exc, "problem", None) or type(exc).__name__
-                raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from None
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{p}: not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_file(path))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -196,3 +172,33 @@ class StoreConfig(StrictNumbers):
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{ENV_PREFIX}TIERS is not valid JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """The contents of a JSON file, or a YAML one (``.yaml``/``.yml``, needs PyYAML); a
+    :class:`ConfigError` naming the file and what is wrong (never the offending text)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    data: Any
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError("YAML config files need PyYAML: pip install pyyaml") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            # the problem and where, never the offending text (it may be a secret)
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{p}: not valid JSON: {exc}") from None
+    return data

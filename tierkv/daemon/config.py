@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.config import StoreConfig
+from tierkv.config import StoreConfig, read_config_file
 from tierkv.errors import ConfigError, format_validation_error
 from tierkv.layout import Layout
 from tierkv.quantities import Bytes, Count, Seconds, StrictNumbers
@@ -70,20 +69,11 @@ class DaemonConfig(StrictNumbers):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> DaemonConfig:
-        """Read a JSON or YAML file; :class:`ConfigError` naming the file or the bad key."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-        try:
-            import yaml
-
-            data = yaml.safe_load(text)  # JSON is YAML
-        except yaml.YAMLError:
-            raise ConfigError(f"{p}: not valid JSON or YAML") from None
+        """Read a JSON or YAML file (by its suffix, as a store config); :class:`ConfigError` naming
+        the file or the bad key."""
+        data = read_config_file(path)
         if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the daemon config must be a mapping of keys to values")
+            raise ConfigError(f"{path}: the daemon config must be a mapping of keys to values")
         return cls(**data)
 
     def store_config(self, layout: Layout, namespace: str, shm_path: str) -> StoreConfig:
