@@ -136,6 +136,11 @@ class StoreConfig(StrictNumbers):
         return self.layout.fingerprint(self.namespace)
 
     @classmethod
+    def coerce(cls, config: StoreConfig | Mapping[str, Any]) -> StoreConfig:
+        """``config`` itself, or a mapping validated (:meth:`from_dict`)."""
+        return config if isinstance(config, StoreConfig) else cls.from_dict(config)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
         """Validate a plain mapping."""
         if not isinstance(data, Mapping):

@@ -34,7 +34,6 @@ from tierkv.blocks.pool import SlotPool
 from tierkv.bridge import LoopBridge, locked
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError, InvalidArgument, StoreClosed
-from tierkv.keys import GROUP_BYTES, check_hashes, record_hashes
 from tierkv.layout import Layout
 from tierkv.movement.availability import LowerTiers
 from tierkv.movement.costmodel import CostModel
@@ -45,8 +44,8 @@ from tierkv.movement.parts import Parts
 from tierkv.movement.writer import place_blocks
 from tierkv.observing.events import ListenerThread, subscribe
 from tierkv.observing.exporter import start_metrics
-from tierkv.observing.metrics import HISTOGRAMS, GroupStats, HistogramStats, StoreStats, TierStats
-from tierkv.tensors import byte_rows, row_span
+from tierkv.observing.metrics import HISTOGRAMS, GroupStats, StoreStats, TierStats
+from tierkv.units import RecordUnits
 
 __all__ = ["KeyState", "Lookup", "PrefixLookup", "Reservation", "TieredStore"]
 
@@ -61,44 +60,25 @@ class TieredStore:
     cascade to lower tiers runs in the background (``flush`` waits for it). The synchronous
     methods may be called from any thread while the store runs on its asyncio loop.
 
-    With ``layout.blocks_per_record = N > 1`` one record (pool slot, file, eviction) holds ``N``
-    consecutive blocks of a prefix, keyed by the last one's hash; ``put``, the lookups, ``get``
-    and ``borrow`` still take one hash and one row per block, and ``hashes`` must start at a
-    record's first block (a prefix from its start, or a slice at a multiple of ``N``). ``stats``,
-    :attr:`engine` and ``lend_slots`` count and name records (docs/design.md, "Several blocks to
-    a record").
+    With ``layout.blocks_per_record = N > 1`` the calls still take one hash and one row per block,
+    starting at a record's first block; ``stats``, :attr:`engine` and ``lend_slots`` count and name
+    records (:mod:`tierkv.units`).
     """
 
     def __new__(cls, config: StoreConfig | Mapping[str, Any]) -> TieredStore:
-        if cls is TieredStore:
-            cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
-            if cfg.daemon is not None:  # served by the tierkv daemon (docs/daemon.md)
-                from tierkv.daemon.client import DaemonStore
+        if cls is TieredStore and _daemon_of(config) is not None:  # served by the daemon (docs/daemon.md)
+            from tierkv.daemon.client import DaemonStore
 
-                return super().__new__(DaemonStore)
+            return super().__new__(DaemonStore)
         return super().__new__(cls)
 
     def __init__(self, config: StoreConfig | Mapping[str, Any]) -> None:
-        self.config = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+        self.config = StoreConfig.coerce(config)
         self.layout: Layout = self.config.layout
         self.fingerprint = self.config.fingerprint
-        #: the layout of one record: the unit of the pools, the lookups and the cost model
-        self._units = self.layout.record_layout()
-        self._per = self.layout.blocks_per_record
-        ctxs = [TierContext(layout=layout, namespace=self.config.namespace, fingerprint=self.fingerprint,
-                            max_concurrent_requests=self.config.max_concurrent_requests,
-                            policy=self.config.policy)
-                for layout in (self._units, self.layout)]
-        # pool tiers size their slots by records; the others name the layout as configured
-        # (their manifest's layout must hash to the fingerprint)
-        backends = [get_backend(tc.kind) for tc in self.config.tiers]
-        self._tiers: list[Tier] = [cls(tc, ctxs[0 if issubclass(cls, PoolTier) else 1])
-                                   for cls, tc in zip(backends, self.config.tiers, strict=True)]
-        primary = self._tiers[0]
-        if not isinstance(primary, PoolTier):
-            raise ConfigError(f"tiers.0: the primary must be a slot-pool tier (cpu or device), "
-                              f"not {primary.kind!r}")
-        self._primary: PoolTier = primary
+        self._units = RecordUnits(self.layout)
+        self._tiers = _make_tiers(self.config, self._units)
+        self._primary = primary = _primary_of(self._tiers)
         self._bridge = LoopBridge("tierkv store")
         self._lock = self._bridge.lock
         self._open = False
@@ -110,9 +90,8 @@ class TieredStore:
         self._listeners: list[ListenerThread] = []
         self._primary_stats = TierStats(index=0, kind=primary.kind, describe=primary.describe())
         self._lookups = {s.value: 0 for s in Lookup}
-        cfg = self.config
-        self._cost = CostModel(self._units.tokens_per_block, cfg.recompute_tokens_per_s, cfg.max_pending_s,
-                               enabled=cfg.cost_model)
+        self._cost = CostModel(self._units.records.tokens_per_block, self.config.recompute_tokens_per_s,
+                               self.config.max_pending_s, enabled=self.config.cost_model)
         self._counts = {"puts": 0, "put_blocks_direct": 0, "put_blocks_dropped": 0, "evictions_unbacked": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -133,7 +112,13 @@ class TieredStore:
             return
         await self._primary.open()
         try:
-            self._wire()
+            self._pools = self._primary.pools
+            self._gateways = [TierGateway(i, t, self._lock, up=False)
+                              for i, t in enumerate(self._tiers[1:], start=1)]
+            self._parts = Parts.build(
+                layout=self._units.records, pools=self._pools, gateways=self._gateways, bridge=self._bridge,
+                cost=self._cost, admission_config=self.config.admission, primary_stats=self._primary_stats,
+                check_open=self._check_open, counts=self._counts)
             self._metrics = start_metrics(self.config, self.stats)
             await self._bridge.start()
         except BaseException:
@@ -153,16 +138,6 @@ class TieredStore:
             with anyio.CancelScope(shield=True):
                 await self.close()
             raise
-
-    def _wire(self) -> None:
-        """Build the parts over the primary's pools and one gateway per lower tier."""
-        self._pools = self._primary.pools
-        self._gateways = [TierGateway(i, t, self._lock, up=False)
-                          for i, t in enumerate(self._tiers[1:], start=1)]
-        self._parts = Parts.build(layout=self._units, pools=self._pools, gateways=self._gateways,
-                                  bridge=self._bridge, cost=self._cost,
-                                  admission_config=self.config.admission, primary_stats=self._primary_stats,
-                                  check_open=self._check_open, counts=self._counts)
 
     def _wired(self) -> Parts:
         """The parts of the open store (:class:`StoreClosed` before it opens)."""
@@ -195,19 +170,9 @@ class TieredStore:
                 self._open = False
                 if self._parts is not None:
                     self._parts.ledger.open = False
+            metrics, self._metrics = self._metrics, None
             with anyio.CancelScope(shield=True):
-                async with anyio.create_task_group() as tg:
-                    # background work stuck on a tier that does not answer is left behind
-                    tg.start_soon(lower.abandon_at, deadline)
-                    await self._bridge.stop()
-                    tg.cancel_scope.cancel()
-                if self._metrics is not None:
-                    self._metrics.close()
-                    self._metrics = None
-                await lower.close(deadline)
-                await _close_all([self._primary])
-                for lt in self._listeners:
-                    await anyio.to_thread.run_sync(lt.close, abandon_on_cancel=True)
+                await _stop(self._bridge, lower, deadline, metrics, self._primary, self._listeners)
             for pool in self._pools.values():
                 pool.release()
 
@@ -234,28 +199,10 @@ class TieredStore:
     # ---- validation -----------------------------------------------------------------------------
     def _keys(self, group: int, hashes: Sequence[bytes],
               whole: str = "") -> tuple[SlotPool, list[bytes], int]:
-        """The pool of ``group``, the keys of the whole records ``hashes`` covers, and how many
-        blocks ``hashes`` names; a call named by ``whole`` takes whole records only."""
+        """The pool of ``group`` and :meth:`RecordUnits.keys` of ``hashes``."""
         self._check_open()
         pool = pool_for(self._pools, self.layout, group)
-        hs = check_hashes(hashes)
-        per = self._per
-        if whole and len(hs) % per:
-            raise InvalidArgument(
-                f"{whole}: {len(hs)} hashes, but this layout keeps {per} blocks to a record and "
-                f"{whole} takes whole records: pass a multiple of {per} hashes, from a record's first block")
-        tail = group.to_bytes(GROUP_BYTES, "big")
-        return pool, [h + tail for h in record_hashes(hs, per)], len(hs)
-
-    def _records(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """The first ``n`` whole records of ``rows`` (``[blocks, block_bytes]`` bytes) as
-        ``[n, record_bytes]``: a view, no copy."""
-        if self._per == 1:
-            return rows
-        return row_span(rows, 0, n * self._per).view(n, rows.shape[1] * self._per)
-
-    def _block_bytes(self, group: int) -> int:
-        return self.layout.groups[group].block_bytes
+        return (pool, *self._units.keys(group, hashes, whole))
 
     # ---- put ------------------------------------------------------------------------------------
     async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
@@ -275,7 +222,7 @@ class TieredStore:
 
     def _put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
         pool, keys, n = self._keys(group, hashes)
-        src = self._records(byte_rows(blocks, n, self._block_bytes(group), "blocks", pool.device), len(keys))
+        src = self._units.rows(blocks, group, n, len(keys), "blocks", pool.device)
         self._counts["puts"] += 1
         parts = self._wired()
         place_blocks(parts.ledger, group, keys, src, parts.cascader, parts.committed, self._counts)
@@ -318,10 +265,7 @@ class TieredStore:
             states = parts.keys.states(group, keys, req)
         for st in states:
             self._lookups[st.lookup.value] += 1
-        per = self._per
-        if per == 1:
-            return states
-        return [st for st in states for _ in range(per)] + [KeyState.MISS] * (n - len(states) * per)
+        return self._units.states(states, n)
 
     def lookup_prefix(self, hashes: Sequence[bytes], request_id: str | None = None) -> PrefixLookup:
         """The longest usable prefix over every prefix-cacheable group (docs/design.md).
@@ -330,18 +274,15 @@ class TieredStore:
         ``state`` is HIT when they are all ready in the primary and no probe can lengthen it,
         PENDING when waiting gives a ready or longer prefix, MISS when there is nothing at all.
         A prefix needing more blocks of a group than its pool has falls back to the longest that fits.
-        With several blocks to a record, ``blocks`` is a multiple of ``blocks_per_record``: a
-        trailing record not yet full is never part of it.
+        With several blocks to a record, ``blocks`` is a multiple of ``blocks_per_record``.
         """
         with self._lock:  # not @locked: the restore's walk is one call shorter (docs/design.md)
             self._check_open()
             parts = self._wired()
-            per = self._per
             with _asking(parts.admission, request_id) as req:
-                result = parts.resolver.prefix(
-                    hashes if per == 1 else record_hashes(check_hashes(hashes), per), req)
+                result = parts.resolver.prefix(self._units.prefix_hashes(hashes), req)
             self._lookups[result.state.value] += 1
-            return result if per == 1 else PrefixLookup(result.blocks * per, result.state)
+            return self._units.prefix(result)
 
     @locked
     def release(self, request_id: str) -> None:
@@ -361,13 +302,11 @@ class TieredStore:
         reads into ``out``, so cancelling ``get`` always returns at once. Raises
         :class:`BlockMissing` when a block is held by no tier (``out`` rows are then unspecified).
         With ``request_id``, that request's pins on these blocks are dropped once they are copied.
-        With several blocks to a record, ``hashes`` covers whole records (:class:`InvalidArgument`
-        otherwise).
+        With several blocks to a record, ``hashes`` covers whole records (else InvalidArgument).
         """
         with self._lock:
             pool, keys, n = self._keys(group, hashes, whole="get")
-            out8 = self._records(byte_rows(out, n, self._block_bytes(group), "out", pool.device,
-                                           writable=True), len(keys))
+            out8 = self._units.rows(out, group, n, len(keys), "out", pool.device, writable=True)
             parts = self._wired()
             req = parts.admission.request(request_id)
         await parts.reader.get(group, pool, keys, out8, req)
@@ -387,11 +326,11 @@ class TieredStore:
         covers whole records (:class:`InvalidArgument` otherwise).
         """
         with self._lock:
-            pool, keys, n = self._keys(group, hashes, whole="borrow")
+            pool, keys, _ = self._keys(group, hashes, whole="borrow")
             parts = self._wired()
             req = parts.admission.request(request_id)
         async with parts.reader.borrow(group, pool, keys, req) as rows:
-            yield rows if self._per == 1 else rows.view(n, self._block_bytes(group))
+            yield self._units.block_rows(rows, group)
 
     @contextlib.contextmanager
     def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
@@ -453,19 +392,14 @@ class TieredStore:
         prim.used_bytes = self._primary.used_bytes()
         prim.backend = dict(self._primary.counters)
         parts = self._parts
+        counts = {**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
+            parts.cascader.dropped if parts else 0)}
         return StoreStats(
             plan=self._primary.planned(), tiers=[prim] + [gw.snapshot() for gw in self._gateways],
-            groups=groups,
-            lookups=dict(self._lookups), requests_active=len(parts.admission.requests) if parts else 0,
-            admission_queue=len(parts.admission.queue) if parts else 0,
-            cost=self._cost.snapshot(),
+            groups=groups, lookups=dict(self._lookups), cost=self._cost.snapshot(),
             pending_deadline_miss=self._cost.deadline_misses,
-            pending_seconds=parts.resolver.pending_seconds.snapshot() if parts else HistogramStats(),
-            promotions_pending=len(parts.ledger.promoting) if parts else 0,
             events_dropped=sum(lt.dropped for lt in self._listeners),
-            leases_expired=parts.admission.leases_expired if parts else 0,
-            **{**self._counts, "put_blocks_dropped": self._counts["put_blocks_dropped"] + (
-                parts.cascader.dropped if parts else 0)})
+            **(parts.stats_fields() if parts else _NO_PARTS), **counts)
 
 
 @contextlib.contextmanager
@@ -487,6 +421,53 @@ async def _guarded(fn: Callable[[], Awaitable[None]]) -> None:
         await fn()
     except Exception:
         log.exception("background work of a tier failed")
+
+
+def _daemon_of(config: object) -> object:
+    """The ``daemon`` a config names; None for none, or for what is no config (``__init__`` says why)."""
+    if isinstance(config, StoreConfig):
+        return config.daemon
+    return config.get("daemon") if isinstance(config, Mapping) else None
+
+
+def _make_tiers(config: StoreConfig, units: RecordUnits) -> list[Tier]:
+    """The configured tiers, primary first. Pool tiers size their slots by records; the others name
+    the layout as configured (their manifest's layout must hash to the fingerprint)."""
+    ctxs = [TierContext(layout=layout, namespace=config.namespace, fingerprint=config.fingerprint,
+                        max_concurrent_requests=config.max_concurrent_requests, policy=config.policy)
+            for layout in (units.records, units.layout)]
+    backends = [get_backend(tc.kind) for tc in config.tiers]
+    return [cls(tc, ctxs[0 if issubclass(cls, PoolTier) else 1])
+            for cls, tc in zip(backends, config.tiers, strict=True)]
+
+
+def _primary_of(tiers: list[Tier]) -> PoolTier:
+    primary = tiers[0]
+    if not isinstance(primary, PoolTier):
+        raise ConfigError(f"tiers.0: the primary must be a slot-pool tier (cpu or device), "
+                          f"not {primary.kind!r}")
+    return primary
+
+
+#: :meth:`Parts.stats_fields` of a store that is not open
+_NO_PARTS: dict[str, Any] = {"requests_active": 0, "admission_queue": 0, "promotions_pending": 0,
+                             "leases_expired": 0}
+
+
+async def _stop(bridge: LoopBridge, lower: LowerTiers, deadline: float, metrics: Any, primary: Tier,
+                listeners: list[ListenerThread]) -> None:
+    """Stop a closing store's background work and metrics, then close its tiers and listeners."""
+    async with anyio.create_task_group() as tg:
+        # background work stuck on a tier that does not answer is left behind
+        tg.start_soon(lower.abandon_at, deadline)
+        await bridge.stop()
+        tg.cancel_scope.cancel()
+    if metrics is not None:
+        metrics.close()
+    await lower.close(deadline)
+    await _close_all([primary])
+    for lt in listeners:
+        await anyio.to_thread.run_sync(lt.close, abandon_on_cancel=True)
 
 
 async def _close_all(tiers: list[Tier]) -> None:

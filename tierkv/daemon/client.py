@@ -52,7 +52,7 @@ class DaemonStore(TieredStore):
     """A store served by the tierkv daemon at ``config.daemon`` (see the module docstring)."""
 
     def __init__(self, config: StoreConfig | Mapping[str, Any]) -> None:
-        self.config = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+        self.config = StoreConfig.coerce(config)
         if self.config.daemon is None:
             raise InvalidArgument("DaemonStore needs a config with 'daemon' (the daemon's socket path)")
         self.layout = self.config.layout

@@ -72,6 +72,13 @@ class Parts:
             pool.on_evict = functools.partial(parts.evicted, g)
         return parts
 
+    def stats_fields(self) -> dict[str, Any]:
+        """The parts' share of the store's :class:`~tierkv.observing.metrics.StoreStats`."""
+        return {"requests_active": len(self.admission.requests), "admission_queue": len(self.admission.queue),
+                "pending_seconds": self.resolver.pending_seconds.snapshot(),
+                "promotions_pending": len(self.ledger.promoting),
+                "leases_expired": self.admission.leases_expired}
+
     def admit_queued(self) -> None:
         """Slots may have come free: admit the requests waiting in the queue, first come first
         served, and start their promotions (under the lock)."""
