@@ -75,7 +75,7 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("daemon"), namespaces=["", "a", "b"]).start()
+    d = Daemon(tmp_path_factory.mktemp("daemon"), namespaces=["", "a", "b"], drop_grace_s=1.0).start()
     yield d
     rc, err = d.stop()
     assert rc == 0, err
@@ -227,6 +227,34 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
             time.sleep(0.02)
         await store.put(0, half, data[:2])
         assert store.lookup(0, half) == [Lookup.HIT] * 2
+
+
+async def test_a_dropped_connections_slots_go_to_no_one_else_within_the_grace(tmp_path: Path) -> None:
+    """A client whose connection broke (a call that timed out) may still be copying into the rows
+    it reserved: they are handed to no one else for ``drop_grace_s``, then freed."""
+    d = Daemon(tmp_path, drop_grace_s=3.0).start()
+    try:
+        async with d.store(BIG) as store:
+            s = raw(d)
+            s.sendall(encode(hello(layout=BIG)))
+            recv_message(s)
+            s.sendall(encode({"op": "reserve", "g": 0, "h": [h.hex() for h in hashes(BIG_SLOTS, 1)]}))
+            assert None not in recv_message(s)["slots"]
+            s.close()
+            time.sleep(0.5)  # the daemon has seen the connection go
+            data, mine = blocks(BIG_SLOTS, 131072, seed=2), hashes(BIG_SLOTS, 2)
+            dropped = store.stats().put_blocks_dropped
+            await store.put(0, mine, data)
+            assert store.stats().put_blocks_dropped == dropped + BIG_SLOTS, "rows handed out in the grace"
+            deadline = time.monotonic() + 30
+            while store.lookup(0, hashes(1, 1)) != [Lookup.MISS]:
+                assert time.monotonic() < deadline, "the reserved rows were never freed"
+                time.sleep(0.05)
+            await store.put(0, mine, data)
+            assert store.lookup(0, mine) == [Lookup.HIT] * BIG_SLOTS
+    finally:
+        rc, err = d.stop()
+    assert rc == 0, err
 
 
 async def test_the_socket_and_the_pool_are_owner_only_by_default_and_ctrl_c_stops_cleanly(

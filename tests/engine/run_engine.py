@@ -79,6 +79,9 @@ def main() -> None:
              "tiers": [{"kind": "fsspec", "url": args["url"], "codec": args.get("codec", "zstd-shuffle"),
                         **args.get("tier", {})}],
              "namespace": "tests", "manifest_timeout_s": 30, "shm_dir": args.get("shm_dir", "/dev/shm")}
+    if args.get("daemon"):  # the pool and tiers are the daemon's
+        extra = {k: v for k, v in extra.items() if k not in ("cpu_bytes_to_use", "tiers")}
+        extra["daemon"] = args["daemon"]
     extra.update(args.get("extra", {}))
     t0 = time.perf_counter()
     llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
@@ -114,8 +117,25 @@ def main() -> None:
         emit("rate", engine_tokens_per_s=n * length / elapsed, seconds=elapsed,
              measured_tokens_per_s=manager.store.stats().cost.recompute_tokens_per_s)
 
-    for step in args.get("steps", ["run"]):
-        if step == "reset":
+    def stats() -> None:
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+        st = manager.store.stats()
+        emit("stats", tiers=[t.model_dump(mode="json") for t in st.tiers], lookups=st.lookups,
+             requests_active=st.requests_active)
+
+    steps = args.get("steps", ["run"])
+    if steps == "stdin":  # one step per line from the test, until "quit" or the end of input
+        steps = (line.strip() for line in sys.stdin if line.strip() != "quit")
+    for step in steps:
+        emit("step", step=step)
+        if step == "stats":
+            stats()
+        elif step.startswith("prompts="):  # "prompts=<n>:<length>:<seed>:<max_tokens>"
+            n, length, seed, max_tokens = map(int, step.removeprefix("prompts=").split(":"))
+            ps = prompts(n, length, seed)
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False,
+                                ignore_eos=True)
+        elif step == "reset":
             llm.reset_prefix_cache()
         elif step == "rate":
             rate()

@@ -27,10 +27,9 @@ from tierkv.backends.base import Tier
 from tierkv.blocks.pool import PoolPlan
 from tierkv.config import StoreConfig
 from tierkv.daemon.link import Link
-from tierkv.daemon.protocol import MAX_REQUEST_ID
+from tierkv.daemon.slots import DaemonSlots, user_request
 from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed, TierUnavailable
 from tierkv.keys import check_hashes
-from tierkv.movement.engine import EngineSlots
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
 from tierkv.observing.metrics import StoreStats
 from tierkv.store import TieredStore
@@ -66,6 +65,7 @@ class DaemonStore(TieredStore):
         self._open = False
         self._ids = itertools.count(1)
         self._local = {"put_blocks_dropped": 0, "lookups_unreachable": 0}
+        self._slots = DaemonSlots(self._link)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -112,9 +112,10 @@ class DaemonStore(TieredStore):
         return None
 
     @property
-    def engine(self) -> EngineSlots:
-        """Not available through the daemon."""
-        raise InvalidArgument("store.engine is not available through the tierkv daemon (docs/daemon.md)")
+    def engine(self) -> DaemonSlots:  # type: ignore[override]
+        """The slot API over the daemon's pool, for adapters that copy rows themselves."""
+        self._check_open()
+        return self._slots
 
     def _rows(self, group: int, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Checked hashes and the group's block bytes."""
@@ -178,7 +179,7 @@ class DaemonStore(TieredStore):
         hs, _ = self._rows(group, hashes)
         msg: dict[str, Any] = {"op": "lookup", "g": group, "h": [h.hex() for h in hs]}
         if request_id is not None:
-            msg["r"] = _user(request_id)
+            msg["r"] = user_request(request_id)
         try:
             answer, _ = self._link.call(msg)
         except TierUnavailable:
@@ -192,7 +193,7 @@ class DaemonStore(TieredStore):
         hs = check_hashes(hashes)
         msg: dict[str, Any] = {"op": "prefix", "h": [h.hex() for h in hs]}
         if request_id is not None:
-            msg["r"] = _user(request_id)
+            msg["r"] = user_request(request_id)
         try:
             answer, _ = self._link.call(msg)
         except TierUnavailable:
@@ -210,8 +211,9 @@ class DaemonStore(TieredStore):
         self._check_open()
         if type(request_id) is not str:
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+        self._slots.forget(request_id)
         with contextlib.suppress(TierUnavailable):
-            self._link.call({"op": "release", "r": _user(request_id)}, retry=False)
+            self._link.call({"op": "release", "r": user_request(request_id)}, retry=False)
 
     # ---- get ------------------------------------------------------------------------------------
     async def get(self, group: int, hashes: Sequence[bytes], out: torch.Tensor,
@@ -225,7 +227,7 @@ class DaemonStore(TieredStore):
         out8 = byte_rows(out, len(hs), block_bytes, "out", _CPU, writable=True)
         if not hs:
             return
-        rid = _user(request_id) if request_id is not None else f"g:{next(self._ids)}"
+        rid = user_request(request_id) if request_id is not None else f"g:{next(self._ids)}"
         msg = {"g": group, "h": [h.hex() for h in hs], "r": rid}
         pending = self.config.max_pending_s or 60.0
         deadline = time.monotonic() + pending + self._timeout
@@ -314,14 +316,6 @@ class DaemonStore(TieredStore):
         lookups["miss"] = lookups.get("miss", 0) + self._local["lookups_unreachable"]
         dropped = st.put_blocks_dropped + self._local["put_blocks_dropped"]
         return st.model_copy(update={"lookups": lookups, "put_blocks_dropped": dropped})
-
-
-def _user(request_id: object) -> str:
-    if type(request_id) is not str:
-        raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
-    if not 0 < len(request_id) <= MAX_REQUEST_ID - 2:
-        raise InvalidArgument(f"request_id must be 1..{MAX_REQUEST_ID - 2} characters through the daemon")
-    return f"u:{request_id}"
 
 
 def _gather(pool: torch.Tensor, slots: list[int], out8: torch.Tensor) -> None:

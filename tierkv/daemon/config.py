@@ -44,6 +44,9 @@ class DaemonConfig(StrictNumbers):
     max_stores: Count = 8
     #: connections served at once; one more is refused
     max_clients: Count = 256
+    #: how long a dropped connection's pins and reserved slots are kept before they go (a client
+    #: whose call timed out may still be copying the rows it was given)
+    drop_grace_s: Seconds = 10.0
 
     def __init__(self, **data: Any) -> None:
         try:

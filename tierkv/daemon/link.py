@@ -7,12 +7,14 @@ again and says hello again, mapping the pool file the daemon names then.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -21,12 +23,24 @@ from tierkv.daemon.protocol import VERSION, recv_message, send_message
 from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.layout import Layout
 
-__all__ = ["RETRY_S", "Link"]
+__all__ = ["RETRY_S", "Link", "mapped_pools"]
 
 log = logging.getLogger("tierkv.daemon")
 
 #: after a failure, no new connection is tried for this long (a dead daemon costs nothing per call)
 RETRY_S = 0.05
+#: the pools this process mapped last, by pool id (an instance's rows are still read
+#: after its daemon is gone: its file was replaced, never reused, so nobody else writes them)
+_MAPPED: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
+_MAPPED_KEEP = 4
+_MAPPED_LOCK = threading.Lock()
+
+
+def mapped_pools(pool_id: str) -> dict[int, torch.Tensor] | None:
+    """Each group's rows of the pool named ``pool_id`` (:attr:`Link.pool_id`), as mapped by a link
+    of this process (None when none mapped it, or more than four others were mapped since)."""
+    with _MAPPED_LOCK:
+        return _MAPPED.get(pool_id)
 
 
 class Link:
@@ -44,6 +58,9 @@ class Link:
         self.pools: dict[int, torch.Tensor] = {}
         #: bumped on every new connection: slots named under one generation mean nothing in another
         self.generation = 0
+        #: names the pool of the current connection: the daemon's instance and its pool file ('' while
+        #: not connected); slots mean something only within one pool id
+        self.pool_id = ""
         self.closed = False
         #: a hello the daemon refuses raises InvalidArgument (while the store opens), else it is
         #: logged and the daemon treated as unreachable (a serving engine keeps serving)
@@ -77,6 +94,17 @@ class Link:
             except (OSError, TierUnavailable) as exc:
                 self._disconnect()
                 raise TierUnavailable(f"tierkv daemon at {self.path}: {exc}") from None
+
+    def rows_of(self, pool_id: str) -> dict[int, torch.Tensor] | None:
+        """The rows of the pool ``pool_id`` names: mapped by this process already, or the daemon's
+        pool now (asked, reattaching if the daemon restarted); None when neither."""
+        got = mapped_pools(pool_id)
+        if got is not None:
+            return got
+        with contextlib.suppress(TierUnavailable, InvalidArgument):
+            self.call({"op": "ping"})
+        with self._lock:
+            return self.pools if self.pool_id == pool_id else None
 
     def _exchange(self, sock: socket.socket, msg: dict[str, Any], reply: bool,
                   timeout_s: float | None) -> dict[str, Any]:
@@ -116,11 +144,18 @@ class Link:
                 raise InvalidArgument(why)
             log.warning("%s", why)
             raise TierUnavailable(why)
+        pool_id = f"{answer.get('instance', '')}:{answer.get('shm', '')}"
         try:
-            self.pools = _map_pools(str(answer["shm"]), answer["pools"])
+            self.pools = mapped_pools(pool_id) or _map_pools(str(answer["shm"]), answer["pools"])
         except (OSError, KeyError, TypeError, ValueError) as exc:
             sock.close()
             raise TierUnavailable(f"cannot map the daemon's pool: {exc}") from None
+        self.pool_id = pool_id
+        with _MAPPED_LOCK:
+            _MAPPED[pool_id] = self.pools
+            _MAPPED.move_to_end(pool_id)
+            while len(_MAPPED) > _MAPPED_KEEP:
+                _MAPPED.popitem(last=False)
         self._sock = sock
         self.generation += 1
         return sock
@@ -130,6 +165,7 @@ class Link:
             self._sock.close()
             self._sock = None
         self.pools = {}
+        self.pool_id = ""
 
     def close(self) -> None:
         """Hang up; no call connects again."""

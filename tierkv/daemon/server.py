@@ -22,8 +22,10 @@ import hashlib
 import itertools
 import logging
 import os
+import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from tierkv.daemon.protocol import MAX_REQUEST_ID, VERSION, recv_message, send_m
 from tierkv.errors import ConfigError, InvalidArgument, TierKVError, TierUnavailable
 from tierkv.keys import GROUP_BYTES, MAX_HASH_BYTES
 from tierkv.layout import Layout
+from tierkv.movement.lookup import KeyState
 from tierkv.store import TieredStore
 
 __all__ = ["Daemon", "prepare_socket"]
@@ -117,6 +120,11 @@ class Daemon:
         self._opening = anyio.Lock()
         self._ids = itertools.count(1)
         self._live: set[socket.socket] = set()
+        #: names this run of the daemon: a pool slot means something only within one instance
+        self.instance = secrets.token_hex(8)
+        #: connections gone, with when their pins and reservations are let go
+        self._graced: list[tuple[float, _Conn]] = []
+        self._graced_lock = threading.Lock()
 
     async def serve(self, sock: socket.socket, ready: Callable[[], None] | None = None) -> None:
         """Accept connections on ``sock`` until cancelled; every store is closed on the way out.
@@ -130,6 +138,7 @@ class Daemon:
         limiter = anyio.CapacityLimiter(self.config.max_clients + 1)
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._reaper)
                 if ready is not None:
                     ready()
                 while True:
@@ -178,7 +187,33 @@ class Daemon:
             sock.close()
 
     def _drop(self, conn: _Conn) -> None:
-        """The connection is gone: release its requests' pins, abandon its reservations."""
+        """The connection is gone: its pins and reservations go after ``drop_grace_s``.
+
+        Not at once: a client whose connection broke while the daemon lives (a call that timed
+        out) may still be copying rows it was given, and a row must not be handed to anyone else
+        until that copy is over."""
+        if conn.served is None:
+            return
+        if self.config.drop_grace_s <= 0:
+            self._let_go(conn)
+            return
+        with self._graced_lock:
+            self._graced.append((time.monotonic() + self.config.drop_grace_s, conn))
+
+    async def _reaper(self) -> None:
+        """Lets go of what dropped connections held once their grace is over."""
+        while True:
+            await anyio.sleep(min(1.0, max(0.05, self.config.drop_grace_s / 4)))
+            now = time.monotonic()
+            with self._graced_lock:
+                due = [c for t, c in self._graced if t <= now]
+                self._graced = [(t, c) for t, c in self._graced if t > now]
+            for conn in due:
+                self._let_go(conn)
+
+    @staticmethod
+    def _let_go(conn: _Conn) -> None:
+        """Release a gone connection's requests' pins, abandon its reservations."""
         if conn.served is None:
             return
         store = conn.served.store
@@ -241,7 +276,8 @@ class Daemon:
             raise InvalidArgument(f"layout: {str(exc).splitlines()[0][:300]}") from None
         served = await self._open(layout, namespace, fingerprint)
         conn.served = served
-        return {"pools": served.pools, "shm": served.shm_path, "fingerprint": fingerprint}
+        return {"pools": served.pools, "shm": served.shm_path, "fingerprint": fingerprint,
+                "instance": self.instance}
 
     async def _open(self, layout: Layout, namespace: str, fingerprint: str) -> _Served:
         async with self._opening:
@@ -252,6 +288,10 @@ class Daemon:
                 raise InvalidArgument(f"the daemon serves at most {self.config.max_stores} namespace and "
                                       "layout pairs (max_stores)")
             shm_path = os.path.join(self.config.shm_dir, f"tierkv-daemon-{self._tag}-{fingerprint[:16]}")
+            # a pool file left by a killed daemon: unlinked, not reused, so a client still
+            # holding that daemon's mapping can never write into this one's rows
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_path)
             try:
                 store = TieredStore(self.config.store_config(layout, namespace, shm_path))
                 await store.open()
@@ -328,6 +368,26 @@ def _prefix(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Cal
     return call
 
 
+def _state(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
+    """The engine slot API's per-key lookup: each key's state, pinning it for the request, and
+    the slot of each READY one."""
+    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
+    assert rid is not None
+
+    def call() -> dict[str, Any]:
+        engine = served.store.engine
+        keys = _keys(g, h)
+        states = [engine.key_state(g, k, rid) for k in keys]
+        ready = [k for k, s in zip(keys, states, strict=True) if s is KeyState.READY]
+        at = dict(zip(ready, engine.ready_slots(g, ready), strict=True)) if ready else {}
+        return {"k": [s.value for s in states], "slots": [at.get(k) for k in keys]}
+    return call
+
+
+def _clear(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
+    return lambda: {"n": served.store.engine.clear()}
+
+
 def _pin(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
     g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
 
@@ -371,7 +431,7 @@ def _reserve(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Ca
             return {"slots": None}
         mine = conn.reserved.setdefault(g, set())
         mine.update(k for k, s in zip(keys, got.slots, strict=True) if s is not None)
-        return {"slots": got.slots}
+        return {"slots": got.slots, "ev": [k.hex() for k in got.evicted]}
     return call
 
 
@@ -403,4 +463,5 @@ def _stats(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call
 _HANDLERS: dict[str, Callable[[Daemon, _Conn, _Served, dict[str, Any]], Call]] = {
     "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
     "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": lambda *_: lambda: {},
+    "state": _state, "clear": _clear, "ping": lambda *_: lambda: {},
 }

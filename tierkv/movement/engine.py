@@ -44,6 +44,8 @@ class Reservation:
 
     slots: list[int | None]
     evicted: list[bytes]
+    #: the pool the slots are rows of ('' for the store's own; a daemon store names its daemon's)
+    pool: str = ""
 
 
 def pool_for(pools: Mapping[int, SlotPool], layout: Layout, group: int) -> SlotPool:
@@ -128,8 +130,9 @@ class EngineSlots:
         return state
 
     @locked
-    def ready_slots(self, group: int, keys: list[bytes]) -> list[int | None]:
-        """The primary slot of each READY key (None for the others)."""
+    def ready_slots(self, group: int, keys: list[bytes], request_id: str | None = None) -> list[int | None]:
+        """The primary slot of each READY key (None for the others). ``request_id``, whose lookups
+        pinned them, matters to a daemon store's slots only: here a READY key has one slot."""
         pool = self._pool(group)
         index, state, ready = pool.index, pool.state, SlotState.READY
         return [s if (s := index.get(k)) is not None and state[s] is ready else None for k in keys]
@@ -170,6 +173,10 @@ class EngineSlots:
         """Complete reserved keys: READY and cascaded to the lower tiers, or freed and forgotten."""
         self._pool(group)
         self._ledger.commit(group, keys, success, self._committed)
+
+    def pool_of(self, request_id: str) -> str:
+        """The pool whose rows :meth:`ready_slots` numbers for the request: '' (the store's own)."""
+        return ""
 
     def pool_rows(self) -> dict[int, torch.Tensor]:
         """Each keyed group's primary pool as its ``[slots, block_bytes]`` uint8 tensor: the rows

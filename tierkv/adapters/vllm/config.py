@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from tierkv.adapter import ENGINE_SWITCH_INTERVAL_S, MAX_WAIT_S, Count, Seconds, TokenRate
+from tierkv.adapter import ENGINE_SWITCH_INTERVAL_S, MAX_WAIT_S, Bytes, Count, Seconds, TokenRate
 from tierkv.adapters.settings import EngineSettings
 
 __all__ = ["VLLM_OWN_KEYS", "AdapterConfig"]
@@ -26,6 +26,11 @@ class AdapterConfig(EngineSettings):
     PREFIX: ClassVar[str] = PREFIX
     OWN_KEYS: ClassVar[frozenset[str]] = VLLM_OWN_KEYS
 
+    #: bytes of tierkv's CPU pool (not used with ``daemon``: the daemon's pool is its config's)
+    cpu_bytes_to_use: Bytes | None = None  # type: ignore[assignment]
+    #: the socket of a ``tierkv serve`` daemon: its CPU pool and tiers serve this engine, shared
+    #: with the node's other engines (docs/daemon.md); unset: a store of the engine's own
+    daemon: str | None = None
     #: explicit slots per group index (overrides the plan, even below the recurrent floor)
     slots: dict[int, Count] | None = None
     #: group index -> "full" | "sliding_window" | "recurrent" (overrides what vLLM's specs say)
@@ -48,6 +53,23 @@ class AdapterConfig(EngineSettings):
     #: hand-over of the GIL to tierkv's I/O threads waits that long (unset: leave it as it is)
     gil_switch_interval_s: float | None = Field(default=ENGINE_SWITCH_INTERVAL_S, gt=0, le=1.0,
                                                 allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _pool(self) -> AdapterConfig:
+        if self.daemon is None and self.cpu_bytes_to_use is None:
+            raise ValueError("cpu_bytes_to_use is required (the bytes of tierkv's CPU pool), unless "
+                             "'daemon' names a tierkv daemon whose pool serves this engine")
+        if self.daemon is not None and self.tiers:
+            raise ValueError("with 'daemon', the lower tiers are the daemon's (its --config file): "
+                             "leave 'tiers' out")
+        return self
+
+    @property
+    def pool_bytes(self) -> int:
+        """``cpu_bytes_to_use`` of an engine with a pool of its own."""
+        if self.cpu_bytes_to_use is None:
+            raise ValueError("no cpu_bytes_to_use: this engine's pool is the daemon's")
+        return int(self.cpu_bytes_to_use)
 
     @field_validator("shm_dir")
     @classmethod

@@ -187,11 +187,13 @@ class RateMeter:
 
 
 class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
-    """Where blocks sit in tierkv's shared CPU pool: one (group index, slot) per key, in order."""
+    """Where blocks sit in tierkv's shared CPU pool: one (group index, slot) per key, in order;
+    ``pool`` names the pool ('' for the engine's own, a daemon's pool id through the daemon)."""
 
-    def __init__(self, groups: list[int], slots: list[int]) -> None:
+    def __init__(self, groups: list[int], slots: list[int], pool: str = "") -> None:
         self.groups = np.asarray(groups, dtype=np.int64)
         self.slots = np.asarray(slots, dtype=np.int64)
+        self.pool = pool
 
     @staticmethod
     def medium() -> str:
@@ -199,7 +201,8 @@ class TierKVLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
         return "TIERKV"
 
     def __repr__(self) -> str:
-        return f"TierKVLoadStoreSpec(groups={self.groups.tolist()}, slots={self.slots.tolist()})"
+        return (f"TierKVLoadStoreSpec(groups={self.groups.tolist()}, slots={self.slots.tolist()}, "
+                f"pool={self.pool!r})")
 
 
 class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
@@ -274,13 +277,13 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         groups: list[int] = []
         slots: list[int] = []
         for g, gkeys in self._by_tail(keys):
-            found = self.engine.ready_slots(g, gkeys)
+            found = self.engine.ready_slots(g, gkeys, req_context.req_id)
             if None in found:
                 raise RuntimeError("prepare_load of a block that is not ready: tierkv pins HITs, so"
                                    " this means the connector loaded a key it did not look up")
             groups += [g] * len(found)
             slots += [s for s in found if s is not None]
-        return TierKVLoadStoreSpec(groups, slots)
+        return TierKVLoadStoreSpec(groups, slots, self.engine.pool_of(req_context.req_id))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Recency is refreshed by lookups; nothing more to do."""
@@ -301,21 +304,24 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         groups: list[int] = []
         slots: list[int] = []
         evicted: list[bytes] = []
+        pools: set[str] = set()
         for g, gkeys in self._by_tail(keys):
             res = self.engine.reserve(g, gkeys)
-            if res is None:
+            if res is not None:
+                pools.add(res.pool)
+                new = [(k, s) for k, s in zip(gkeys, res.slots, strict=True) if s is not None]
+                nkeys = [k for k, _ in new]
+                reserved.append((g, nkeys))
+            if res is None or len(pools) > 1:  # no room, or a daemon restarted between groups
                 for rg, rk in reserved:
                     self.engine.commit(rg, rk, success=False)
                 return None
-            new = [(k, s) for k, s in zip(gkeys, res.slots, strict=True) if s is not None]
-            nkeys = [k for k, _ in new]
-            reserved.append((g, nkeys))
             to_store += nkeys
             groups += [g] * len(nkeys)
             slots += [s for _, s in new]
             evicted += res.evicted
         return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in to_store],
-                                  store_spec=TierKVLoadStoreSpec(groups, slots),
+                                  store_spec=TierKVLoadStoreSpec(groups, slots, pools.pop() if pools else ""),
                                   evicted_keys=[OffloadKey(k) for k in evicted])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,

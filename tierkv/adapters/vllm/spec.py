@@ -38,12 +38,15 @@ from tierkv.adapters.vllm.fingerprint import (
 )
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
-from tierkv.adapters.vllm.worker import TierKVWorker, group_copies
+from tierkv.adapters.vllm.worker import PoolRows, TierKVWorker, group_copies
+from tierkv.daemon.link import Link
 
 __all__ = ["TierKVOffloadingSpec"]
 
 log = logging.getLogger("tierkv.vllm")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+#: how long the worker waits for the daemon when it asks which pool a transfer names
+DAEMON_CALL_S = 5.0
 
 
 class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
@@ -76,10 +79,15 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         self.kv_format = cpu_kv_format(bool(current_platform.is_cpu()))
         #: the engine's config objects, for the fingerprint (tierkv/adapters/vllm/fingerprint.py)
         self._vllm_config, self._kv_cache_config = engine_configs()
+        shared = [f"the tierkv daemon at {self.settings.daemon}"] if self.settings.daemon else []
         #: vLLM seeds its block hashes per process and no tier outlives it (refused otherwise)
         self.volatile_hashes = check_hashes(hash_algo(self._vllm_config),
-                                            persistent_tiers(self.settings.tiers),
+                                            persistent_tiers(self.settings.tiers) + shared,
                                             "kv_connector_extra_config.tiers")
+        if self.settings.daemon and config.enable_kv_cache_events:
+            raise ConfigError("kv_connector_extra_config.daemon: KV cache events are not available through "
+                              "the tierkv daemon (its pool's evictions are not reported to engines); turn "
+                              "events off or leave 'daemon' out")
         #: the attention backends the worker's model uses, from its manifest (scheduler side)
         self._backends: str | None = None
         self._namespace: str | None = None
@@ -112,20 +120,28 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         copies = group_copies(kv_caches, self.group_ids)
         block_bytes = {c.group_id: c.rank_bytes * self.world_size * self.blocks_per_chunk for c in copies}
         layout = self._layout(block_bytes)
-        plan = plan_pools(self.settings.cpu_bytes_to_use, layout, self.settings.max_concurrent_requests,
-                          self.settings.slots)
-        manifest = {"format": "tierkv-vllm-manifest-v1", "pid": os.getpid(), "time": time.time(),
-                    "layout": layout.model_dump(mode="json"), "slots": plan.slots(),
-                    "plan": plan.model_dump(mode="json"),
-                    "attention_backends": attention_backends(self._vllm_config, self.config.groups)}
-        pools = shared_pool_tensors(self.shm_path, plan)
+        backends = attention_backends(self._vllm_config, self.config.groups)
+        manifest: dict[str, Any] = {"format": "tierkv-vllm-manifest-v1", "pid": os.getpid(),
+                                    "time": time.time(), "layout": layout.model_dump(mode="json"),
+                                    "attention_backends": backends}
+        pools: dict[int, Any] | PoolRows
+        if self.settings.daemon is None:
+            plan = plan_pools(self.settings.pool_bytes, layout, self.settings.max_concurrent_requests,
+                              self.settings.slots)
+            manifest.update(slots=plan.slots(), plan=plan.model_dump(mode="json"))
+            pools = shared_pool_tensors(self.shm_path, plan)
+            log.info("tierkv pools: %s", ", ".join(f"group {g.group} {g.kind}: {g.slots} x {g.block_bytes} B"
+                                                   for g in plan.groups))
+        else:
+            self._backends = str(backends or "") or None
+            link = Link(self.settings.daemon, self.namespace, layout, DAEMON_CALL_S)
+            pools = link.rows_of
+            log.info("tierkv: this engine's pool is the daemon's at %s", self.settings.daemon)
         if self.rank == 0:
             tmp = f"{self.manifest_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(manifest, f)
             os.replace(tmp, self.manifest_path)
-        log.info("tierkv pools: %s", ", ".join(f"group {g.group} {g.kind}: {g.slots} x {g.block_bytes} B"
-                                               for g in plan.groups))
         return TierKVWorker(copies, pools, self.rank, self.world_size, self.blocks_per_chunk)
 
     # ---- scheduler side --------------------------------------------------------------------------
@@ -147,15 +163,19 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
             return self._manager
         manifest = self._read_manifest()
         if manifest is None:
+            if self.settings.daemon is not None:
+                raise ConfigError(f"no tierkv worker manifest at {self.manifest_path} after "
+                                  f"{self.settings.manifest_timeout_s} s: through the daemon, the scheduler "
+                                  "needs the layout the worker measured (raise manifest_timeout_s)")
             per_block = int(self.config.worker_kv_bytes_per_block) * self.world_size
             log.warning("no tierkv worker manifest at %s: estimating %d bytes per block for every group",
                         self.manifest_path, per_block)
             layout = self._layout(dict.fromkeys(self.group_ids, per_block))
-            slots = plan_pools(self.settings.cpu_bytes_to_use, layout,
+            slots = plan_pools(self.settings.pool_bytes, layout,
                                self.settings.max_concurrent_requests, self.settings.slots).slots()
         else:
             layout = Layout.model_validate(manifest["layout"])
-            slots = {int(g): int(n) for g, n in manifest["slots"].items()}
+            slots = {int(g): int(n) for g, n in manifest.get("slots", {}).items()}
             self._backends = str(manifest.get("attention_backends") or "") or None
             self._namespace = None
         s = self.settings
@@ -166,14 +186,17 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                         "nothing in it outlives the process (set PYTHONHASHSEED, or use sha256, before "
                         "adding a persistent tier)", hash_algo(self._vllm_config))
         log.info("tierkv namespace: %s", self.namespace)
-        store_config = {
+        store_config: dict[str, Any] = {
             "layout": layout, "namespace": self.namespace, "policy": s.eviction_policy,
             "max_concurrent_requests": s.max_concurrent_requests, "pin_lease_s": s.pin_lease_s,
             "recompute_tokens_per_s": s.recompute_tokens_per_s, "cost_model": s.cost_model,
             "max_pending_s": s.max_pending_s,
-            "tiers": [{"kind": "cpu", "slots": slots, "shm_path": self.shm_path, "shm_owner": True},
-                      *s.tiers],
         }
+        if s.daemon is not None:
+            store_config["daemon"] = s.daemon
+        else:
+            store_config["tiers"] = [{"kind": "cpu", "slots": slots, "shm_path": self.shm_path,
+                                      "shm_owner": True}, *s.tiers]
         self._manager = TierKVOffloadingManager(store_config, self.group_ids,
                                                 enable_events=bool(self.config.enable_kv_cache_events),
                                                 cleanup=[self.manifest_path],

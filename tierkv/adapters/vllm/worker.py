@@ -15,6 +15,7 @@ vLLM's transfer specs onto it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,11 @@ from vllm.v1.kv_offload.base import (
 from tierkv.adapter import Copy, DeviceTransfer
 from tierkv.adapters.vllm.manager import TierKVLoadStoreSpec
 
-__all__ = ["GroupCopy", "TierKVWorker", "group_copies"]
+__all__ = ["GroupCopy", "PoolRows", "TierKVWorker", "group_copies"]
+
+#: the rows of a pool a transfer spec names (``TierKVLoadStoreSpec.pool``), None when this process
+#: cannot reach them (a daemon's pool that is gone)
+PoolRows = Callable[[str], "dict[int, torch.Tensor] | None"]
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -60,10 +65,14 @@ def group_copies(kv_caches: CanonicalKVCaches, group_ids: list[int]) -> list[Gro
 class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     """Transfers between the engine's KV caches and tierkv's pool; a transfer never fails."""
 
-    def __init__(self, copies: list[GroupCopy], pools: dict[int, torch.Tensor], rank: int = 0,
+    def __init__(self, copies: list[GroupCopy], pools: dict[int, torch.Tensor] | PoolRows, rank: int = 0,
                  world_size: int = 1, blocks_per_chunk: int = 1) -> None:
         self.copies = copies
-        self.pools = pools
+        if callable(pools):
+            self.pools: PoolRows = pools
+        else:
+            own = pools
+            self.pools = lambda _: own
         self.rank = rank
         self.world_size = world_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -82,6 +91,14 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
         start = 0
         ours_groups = ours.groups.tolist()
         taken = 0
+        pools = self.pools(ours.pool)
+        if pools is None:
+            if not store:
+                # the scheduler pinned these rows in a pool this process never mapped and that is
+                # gone now (the daemon restarted twice within a step): nothing correct to load
+                raise RuntimeError(f"tierkv: the pool {ours.pool!r} of this load is gone")
+            log.warning("tierkv: a store into pool %r skipped: the daemon serving it is gone", ours.pool)
+            return []
         for pos, n in enumerate(sizes):
             if n == 0:
                 continue
@@ -99,7 +116,7 @@ class TierKVWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
                 raise RuntimeError(f"group {gc.group_id}: a store of {n} engine blocks from block "
                                    f"{firsts[pos]} does not cover whole chunks of {per}")
             taken += chunks
-            pool = self.pools[gc.group_id]
+            pool = pools[gc.group_id]
             sub_bytes = self.world_size * gc.rank_bytes
             base = self.rank * gc.rank_bytes
             for sub in range(per):

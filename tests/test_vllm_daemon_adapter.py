@@ -1,0 +1,115 @@
+"""The vLLM adapter through the tierkv daemon, against vLLM's own types (no engine): two engines'
+managers and workers share the daemon's pool, and a load prepared before the daemon was killed
+still copies the bytes its lookups pinned, never another block's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_daemon import Daemon
+
+base = pytest.importorskip("vllm.v1.kv_offload.base")  # installed by `scripts/dev test` where there is no GPU
+
+from tests.test_vllm_adapter import Engine, ctx, key, offloading_config  # noqa: E402
+from tierkv.errors import ConfigError  # noqa: E402
+
+LookupResult = base.LookupResult
+
+
+class DaemonEngine(Engine):
+    """An engine whose kv_connector_extra_config names the daemon (no pool or tiers of its own)."""
+
+    def __init__(self, tmp_path: Path, sock: str, engine: str) -> None:
+        os.makedirs(tmp_path / "shm", exist_ok=True)
+        cfg = offloading_config(tmp_path, [(0, 16)], {}, engine)
+        extra = {"daemon": sock, "shm_dir": str(tmp_path / "shm"), "manifest_timeout_s": 5.0,
+                 "max_pending_s": 2.0}
+        self.cfg = dataclasses.replace(cfg, extra_config=extra, enable_kv_cache_events=False)
+        from tests.test_vllm_adapter import kv_caches
+        from tierkv.adapters.vllm import TierKVOffloadingSpec
+
+        self.caches, self.gpu = kv_caches(1)
+        self.worker = TierKVOffloadingSpec(self.cfg).get_worker(self.caches)
+        self.spec = TierKVOffloadingSpec(self.cfg)
+        self.manager = self.spec.get_manager()
+        self.job = 0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Any:
+    d = Daemon(tmp_path, cpu_bytes_to_use=256 << 10, shm_dir=str(tmp_path),
+               tiers=[{"kind": "fsspec", "url": f"file://{tmp_path / 'tier'}"}]).start()
+    yield d
+    rc, err = d.stop()
+    assert rc == 0, err
+
+
+def test_two_engines_share_blocks_through_the_daemon_and_a_killed_daemon_never_serves_wrong_bytes(
+        daemon: Daemon, tmp_path: Path) -> None:
+    a = DaemonEngine(tmp_path / "a", daemon.socket, "engine-a")
+    b = DaemonEngine(tmp_path / "b", daemon.socket, "engine-b")
+    try:
+        keys = [key(i, 0) for i in range(4)]
+        want = a.gpu[[1, 2, 3, 4]].clone()
+        out = a.store(keys, [1, 2, 3, 4], [4], ctx("r1"))
+        assert out.keys_to_store == keys and out.store_spec.pool, "a daemon's slots name their pool"
+
+        # engine b (another manager and worker): the blocks are HIT in the daemon's pool
+        assert [b.manager.lookup(k, ctx("r2")) for k in keys] == [LookupResult.HIT] * 4
+        b.load(keys, [10, 11, 12, 13], [4], ctx("r2"))
+        assert torch.equal(b.gpu[[10, 11, 12, 13]], want)
+        b.manager.on_request_finished(ctx("r2"))
+
+        # looked up (pinned) and then the daemon is killed before the load is prepared: the load
+        # still copies what was pinned, from the pool those slots belong to
+        assert [b.manager.lookup(k, ctx("r3")) for k in keys] == [LookupResult.HIT] * 4
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        daemon.proc.wait()
+        daemon.start()  # a new pool file; the old one's rows are no one's now
+        others = [key(i, 0) for i in range(10, 14)]
+        deadline = time.monotonic() + 30
+        while (new := a.store(others, [5, 6, 7, 8], [4], ctx("r4"))) is None:  # until a reattaches
+            assert time.monotonic() < deadline, "the manager never reattached"
+            time.sleep(0.05)
+        assert new.store_spec.pool != out.store_spec.pool  # the new pool's rows: other blocks now
+        spec = b.manager.prepare_load(keys, ctx("r3"))
+        assert spec.pool == out.store_spec.pool
+        b.job += 1
+        assert b.worker.submit_load(b.job, spec, base.GPULoadStoreSpec([20, 21, 22, 23], [4], [0]))
+        b.worker.wait({b.job})
+        assert [r.success for r in b.worker.get_finished()] == [True]
+        assert torch.equal(b.gpu[[20, 21, 22, 23]], want), "a load prepared before the restart"
+        b.manager.complete_load(keys, ctx("r3"))
+
+        # the restarted daemon's blocks come back from its file tier, the same bytes
+        deadline = time.monotonic() + 30
+        while [b.manager.lookup(k, ctx("r5")) for k in keys] != [LookupResult.HIT] * 4:
+            assert time.monotonic() < deadline, "the restarted daemon never promoted the blocks"
+            time.sleep(0.05)
+        b.load(keys, [30, 31, 32, 33], [4], ctx("r5"))
+        assert torch.equal(b.gpu[[30, 31, 32, 33]], want)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_daemon_engine_refuses_tiers_of_its_own_and_kv_events_in_one_clear_error(tmp_path: Path) -> None:
+    from tierkv.adapters.vllm import TierKVOffloadingSpec
+
+    cfg = offloading_config(tmp_path, [(0, 16)], {"daemon": "/nonexistent.sock"}, "engine-x")
+    with pytest.raises(ConfigError, match="the lower tiers are the daemon's"):
+        TierKVOffloadingSpec(cfg)
+    events = dataclasses.replace(cfg, extra_config={"daemon": "/nonexistent.sock"})
+    with pytest.raises(ConfigError, match="KV cache events are not available through the tierkv daemon"):
+        TierKVOffloadingSpec(events)
+    no_pool = dataclasses.replace(cfg, extra_config={}, enable_kv_cache_events=False)
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use is required"):
+        TierKVOffloadingSpec(no_pool)
