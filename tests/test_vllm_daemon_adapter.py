@@ -66,6 +66,10 @@ def test_two_engines_share_blocks_through_the_daemon_and_a_killed_daemon_never_s
         b.load(keys, [10, 11, 12, 13], [4], ctx("r2"))
         assert torch.equal(b.gpu[[10, 11, 12, 13]], want)
         b.manager.on_request_finished(ctx("r2"))
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "tier").rglob("*.tkv"))) < 4:  # the daemon wrote them down
+            assert time.monotonic() < deadline, "the daemon never wrote the blocks to its file tier"
+            time.sleep(0.05)
 
         # looked up (pinned) and then the daemon is killed before the load is prepared: the load
         # still copies what was pinned, from the pool those slots belong to

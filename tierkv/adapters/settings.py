@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from tierkv import ConfigError
 from tierkv.adapter import Bytes, Count, Seconds, StrictNumbers, format_validation_error
@@ -35,6 +35,16 @@ class EngineSettings(StrictNumbers):
     eviction_policy: Literal["slru", "lru", "arc"] = "slru"
     #: pins of a request that made no call for this long are dropped (an engine may never finish it)
     pin_lease_s: Seconds = 300.0
+    #: the socket of a ``tierkv serve`` daemon: its CPU pool and tiers serve this engine, shared
+    #: with the node's other engines (docs/daemon.md); unset: a store of the engine's own
+    daemon: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _daemon_tiers(self) -> Self:
+        if self.daemon is not None and self.tiers:
+            raise ValueError("with 'daemon', the lower tiers are the daemon's (its --config file): "
+                             "leave 'tiers' out")
+        return self
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Self:

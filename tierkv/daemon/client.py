@@ -203,8 +203,17 @@ class DaemonStore(TieredStore):
 
     def lookup_states(self, group: int, hashes: Sequence[bytes],
                       request_id: str | None = None) -> list[KeyState]:
-        """Not available through the daemon (use :meth:`lookup`)."""
-        raise InvalidArgument("lookup_states is not available through the tierkv daemon: use lookup")
+        """As :meth:`TieredStore.lookup_states`; all MISS while the daemon is not reachable."""
+        hs, _ = self._rows(group, hashes)
+        msg: dict[str, Any] = {"op": "states", "g": group, "h": [h.hex() for h in hs]}
+        if request_id is not None:
+            msg["r"] = user_request(request_id)
+        try:
+            answer, _ = self._link.call(msg)
+        except TierUnavailable:
+            self._local["lookups_unreachable"] += len(hs)
+            return [KeyState.MISS] * len(hs)
+        return [KeyState(k) for k in answer["k"]]
 
     def release(self, request_id: str) -> None:
         """Drop every pin ``request_id`` holds (nothing to do while the daemon is not reachable)."""

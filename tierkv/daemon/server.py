@@ -384,6 +384,11 @@ def _state(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call
     return call
 
 
+def _states(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
+    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg)
+    return lambda: {"k": [s.value for s in served.store.lookup_states(g, h, rid)]}
+
+
 def _clear(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
     return lambda: {"n": served.store.engine.clear()}
 
@@ -463,5 +468,5 @@ def _stats(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call
 _HANDLERS: dict[str, Callable[[Daemon, _Conn, _Served, dict[str, Any]], Call]] = {
     "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
     "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": lambda *_: lambda: {},
-    "state": _state, "clear": _clear, "ping": lambda *_: lambda: {},
+    "state": _state, "states": _states, "clear": _clear, "ping": lambda *_: lambda: {},
 }

@@ -136,12 +136,15 @@ def plan_store(pools: Mapping[str, Any], settings: SGLangConfig, storage_config:
     pool_part = ";".join(f"{g.name}={g.codec.describe}" for g in groups.values())
     fields = {**fingerprint_fields(storage_config, server_args, pool_part), **identity}
     namespace = engine_namespace(fields, settings.namespace)
+    store_config: dict[str, Any] = {"layout": layout, "namespace": namespace,
+                                    "max_concurrent_requests": settings.max_concurrent_requests,
+                                    "policy": settings.eviction_policy, "pin_lease_s": settings.pin_lease_s}
+    if settings.daemon is not None:  # the daemon's pool and tiers
+        store_config["daemon"] = settings.daemon
+        return StorePlan(pools=groups, layout=layout, namespace=namespace, store_config=store_config)
     cpu_bytes = settings.cpu_bytes_to_use or default_cpu_bytes(pools, groups, settings)
     primary: dict[str, Any] = {"kind": "cpu", "capacity_bytes": cpu_bytes}
     if settings.slots:
         primary["slots"] = {groups[n].group: v for n, v in settings.slots.items()}
-    store_config = {"layout": layout, "namespace": namespace,
-                    "max_concurrent_requests": settings.max_concurrent_requests,
-                    "policy": settings.eviction_policy, "pin_lease_s": settings.pin_lease_s,
-                    "tiers": [primary, *settings.tiers]}
+    store_config["tiers"] = [primary, *settings.tiers]
     return StorePlan(pools=groups, layout=layout, namespace=namespace, store_config=store_config)

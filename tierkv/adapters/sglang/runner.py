@@ -16,6 +16,7 @@ import torch
 from tierkv import BlockMissing, StoreStats, TieredStore, make_key
 from tierkv.adapter import KeyState, LoopThread
 from tierkv.adapters.sglang.pages import Rows
+from tierkv.daemon.link import mapped_pools
 
 __all__ = ["Fill", "StoreRunner"]
 
@@ -36,9 +37,12 @@ class StoreRunner:
 
     def __init__(self, store_config: dict[str, Any]) -> None:
         self._loop, self.store = LoopThread.running(TieredStore(store_config))
+        #: through a daemon: its pool may change (a restart), so rows are found per reservation, and
+        #: reads copy out with ``get`` (no lending of the daemon's rows)
+        self._daemon = self.store.config.daemon is not None
         groups = self.store.stats().groups
         self._chunk = {g.group: max(1, min(LOOKUP_CHUNK, g.slots // 2)) for g in groups}
-        self._pool_rows = _pool_tensors(self.store)
+        self._pool_rows = {} if self._daemon else _pool_tensors(self.store)
         self._pool_np = {g: t.numpy() for g, t in self._pool_rows.items()}
         self._closed = False
 
@@ -55,12 +59,15 @@ class StoreRunner:
         page is copied once; when the pool has no room now, they are ``staging()`` rows and the
         store takes a copy.
         """
-        pool = self._pool_rows.get(group)
-        if pool is not None:
+        if self._daemon or group in self._pool_rows:
             engine = self.store.engine
             keys = [make_key(h, group) for h in hashes]
             res = engine.reserve(group, keys)
-            if res is not None:
+            pool = self._rows_of(res.pool, group) if res is not None else None
+            if res is not None and pool is None:
+                engine.commit(group, [k for k, s in zip(keys, res.slots, strict=True) if s is not None],
+                              success=False)
+            elif res is not None and pool is not None:
                 pos = [i for i, slot in enumerate(res.slots) if slot is not None]
                 new = [keys[i] for i in pos]
                 try:
@@ -73,6 +80,13 @@ class StoreRunner:
         rows = staging()
         fill(list(range(len(hashes))), rows)
         self.put(group, hashes, rows)
+
+    def _rows_of(self, pool_id: str, group: int) -> torch.Tensor | None:
+        """Group ``group``'s rows of the pool a reservation names (None: not mapped here)."""
+        if not self._daemon:
+            return self._pool_rows.get(group)
+        rows = mapped_pools(pool_id)
+        return rows.get(group) if rows is not None else None
 
     def get(self, group: int, hashes: Sequence[bytes], rows: torch.Tensor) -> list[bool]:
         """Read the blocks into ``rows``; per block, whether it was read (and verified)."""
@@ -101,10 +115,11 @@ class StoreRunner:
                     ok = [True] * len(hashes)
                     use([pool[s] for s in slots], ok)
                     return ok
-        try:
-            return self._loop.call(self._use_borrowed, group, hashes, use)
-        except BlockMissing:
-            pass
+        if not self._daemon:
+            try:
+                return self._loop.call(self._use_borrowed, group, hashes, use)
+            except BlockMissing:
+                pass
         rows = staging()
         ok = self.get(group, hashes, rows)
         use(rows, ok)

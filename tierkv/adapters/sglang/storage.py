@@ -103,9 +103,12 @@ class TierKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 runner = StoreRunner(plan.store_config)
                 self._runner, self._transfers = runner, Transfers(runner)
                 self.plan = plan
-                log.info("tierkv: store open, CPU pool %d bytes%s, %s",
-                         plan.store_config["tiers"][0]["capacity_bytes"],
-                         "" if self.settings.cpu_bytes_to_use else " (sized from the host pools)", "; ".join(
+                if self.settings.daemon is not None:
+                    pool = f"the daemon's at {self.settings.daemon}"
+                else:
+                    pool = f"{plan.store_config['tiers'][0]['capacity_bytes']} bytes" + (
+                        "" if self.settings.cpu_bytes_to_use else " (sized from the host pools)")
+                log.info("tierkv: store open, CPU pool %s, %s", pool, "; ".join(
                     f"{p.name} -> group {p.group} ({p.kind}, {p.codec.block_bytes} B per page)"
                     for p in plan.pools.values()))
             assert self.plan is not None and self._transfers is not None

@@ -28,9 +28,6 @@ class AdapterConfig(EngineSettings):
 
     #: bytes of tierkv's CPU pool (not used with ``daemon``: the daemon's pool is its config's)
     cpu_bytes_to_use: Bytes | None = None  # type: ignore[assignment]
-    #: the socket of a ``tierkv serve`` daemon: its CPU pool and tiers serve this engine, shared
-    #: with the node's other engines (docs/daemon.md); unset: a store of the engine's own
-    daemon: str | None = None
     #: explicit slots per group index (overrides the plan, even below the recurrent floor)
     slots: dict[int, Count] | None = None
     #: group index -> "full" | "sliding_window" | "recurrent" (overrides what vLLM's specs say)
@@ -59,9 +56,6 @@ class AdapterConfig(EngineSettings):
         if self.daemon is None and self.cpu_bytes_to_use is None:
             raise ValueError("cpu_bytes_to_use is required (the bytes of tierkv's CPU pool), unless "
                              "'daemon' names a tierkv daemon whose pool serves this engine")
-        if self.daemon is not None and self.tiers:
-            raise ValueError("with 'daemon', the lower tiers are the daemon's (its --config file): "
-                             "leave 'tiers' out")
         return self
 
     @property
