@@ -6,8 +6,11 @@ block bytes copied once between the caller's tensors and the daemon's pool, whic
 
 While the daemon cannot be reached, nothing waits on it: lookups are MISS, ``get`` raises
 :class:`BlockMissing`, puts are dropped and counted (``put_blocks_dropped``), ``release`` does
-nothing; a later call reattaches when the daemon is back. A ``get`` whose copy could have raced a
-daemon restart (the pins that kept its rows in place were not confirmed released) raises
+nothing; a later call reattaches when the daemon is back. A ``get`` copies rows pinned for it: the
+daemon keeps a dropped connection's pins for its ``drop_grace_s`` (at least 1 s) and a restarted
+daemon never reuses the old pool's pages, so a copy that began on the pinning connection and ended
+within :data:`SAFE_COPY_S` read what was pinned. One that took longer and whose pins were not
+confirmed released by that connection raises
 :class:`BlockMissing` instead of returning what it copied.
 """
 
@@ -43,6 +46,9 @@ _LOOKUP = {"h": Lookup.HIT, "p": Lookup.PENDING, "m": Lookup.MISS}
 _CPU = torch.device("cpu")
 #: the longest a call waits for the daemon's answer when ``max_pending_s`` does not bound it lower
 CALL_TIMEOUT_S = 5.0
+#: a get's copy that ends this soon after the daemon pinned its rows needs no confirmation (the
+#: daemon keeps a dropped connection's pins at least 1 s: ``drop_grace_s``)
+SAFE_COPY_S = 0.5
 #: how long ``flush`` waits for the daemon's cascades
 FLUSH_TIMEOUT_S = 3600.0
 
@@ -249,31 +255,37 @@ class DaemonStore(TieredStore):
                 raise BlockMissing("the tierkv daemon is not reachable", missing=everything) from None
             states: str = answer["s"]
             if "m" in states or time.monotonic() > deadline:
-                self._unpin(msg, request_id)
+                self._unpin(msg, request_id, confirm=False)
                 missing = [i for i, c in enumerate(states) if c != "h"]
                 raise BlockMissing(f"{len(missing)} of {len(hs)} blocks are held by no tier", missing=missing)
             if "p" not in states:
                 break
             await anyio.sleep(nap)
             nap = min(nap * 2, 0.005)
+        pinned_at = time.monotonic()
         pool = self._link.pools.get(group)
         copied = pool is not None and self._link.generation == gen
         if copied:
             assert pool is not None
             _gather(pool, answer["slots"], out8)
-        if not (self._unpin(msg, request_id) == gen and copied):
+        # the rows stay pinned for the daemon's drop grace even if the connection broke meanwhile,
+        # and a restarted daemon never reuses the old pool's pages: a copy that started on the
+        # connection that pinned them and ended well within the grace read the pinned bytes
+        quick = time.monotonic() - pinned_at < SAFE_COPY_S
+        if not (self._unpin(msg, request_id, confirm=not quick) in (gen, True) and copied):
             raise BlockMissing("the tierkv daemon went away while the blocks were copied", missing=everything)
 
-    def _unpin(self, msg: dict[str, Any], request_id: str | None) -> int | None:
-        """Drop a get's pins: the connection's generation that confirmed it, None when none did.
-        Confirmed by the connection that pinned them, the rows stayed in place until now."""
+    def _unpin(self, msg: dict[str, Any], request_id: str | None, confirm: bool) -> int | bool | None:
+        """Drop a get's pins. With ``confirm``: the generation of the connection that confirmed it
+        (None when none did); the rows stayed in place until then. Without: True, unanswered."""
+        op = {"op": "release", "r": msg["r"]} if request_id is None else {"op": "unpin", **msg}
         try:
-            if request_id is None:
-                _, gen = self._link.call({"op": "release", "r": msg["r"]}, retry=False)
-            else:
-                _, gen = self._link.call({"op": "unpin", **msg}, retry=False)
+            if not confirm:
+                self._link.call({**op, "nr": True}, reply=False, retry=False)
+                return True
+            _, gen = self._link.call(op, retry=False)
         except TierUnavailable:
-            return None
+            return None if confirm else True
         return gen
 
     @contextlib.asynccontextmanager

@@ -46,7 +46,7 @@ class DaemonConfig(StrictNumbers):
     max_clients: Count = 256
     #: how long a dropped connection's pins and reserved slots are kept before they go (a client
     #: whose call timed out may still be copying the rows it was given)
-    drop_grace_s: Seconds = 10.0
+    drop_grace_s: Seconds = Field(default=10.0, ge=1.0)
 
     def __init__(self, **data: Any) -> None:
         try:

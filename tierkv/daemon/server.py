@@ -194,16 +194,13 @@ class Daemon:
         until that copy is over."""
         if conn.served is None:
             return
-        if self.config.drop_grace_s <= 0:
-            self._let_go(conn)
-            return
         with self._graced_lock:
             self._graced.append((time.monotonic() + self.config.drop_grace_s, conn))
 
     async def _reaper(self) -> None:
         """Lets go of what dropped connections held once their grace is over."""
         while True:
-            await anyio.sleep(min(1.0, max(0.05, self.config.drop_grace_s / 4)))
+            await anyio.sleep(min(1.0, self.config.drop_grace_s / 4))
             now = time.monotonic()
             with self._graced_lock:
                 due = [c for t, c in self._graced if t <= now]
@@ -436,7 +433,9 @@ def _reserve(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Ca
             return {"slots": None}
         mine = conn.reserved.setdefault(g, set())
         mine.update(k for k, s in zip(keys, got.slots, strict=True) if s is not None)
-        return {"slots": got.slots, "ev": [k.hex() for k in got.evicted]}
+        if msg.get("ev") is True:  # the evicted keys, for engines that report them
+            return {"slots": got.slots, "ev": [k.hex() for k in got.evicted]}
+        return {"slots": got.slots}
     return call
 
 

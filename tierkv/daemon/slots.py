@@ -111,7 +111,8 @@ class DaemonSlots:
         """WRITING slots in the daemon's pool for these keys (see :meth:`EngineSlots.reserve`), in
         the pool :attr:`Reservation.pool` names; None when it has no room or cannot be reached."""
         try:
-            answer, _ = self._link.call({"op": "reserve", "g": group, "h": [_hash(k, group) for k in keys]})
+            answer, _ = self._link.call({"op": "reserve", "g": group, "h": [_hash(k, group) for k in keys],
+                                         "ev": True})
         except TierUnavailable:
             return None
         slots = answer.get("slots")
