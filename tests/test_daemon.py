@@ -229,6 +229,38 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
         assert store.lookup(0, half) == [Lookup.HIT] * 2
 
 
+async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier(tmp_path: Path) -> None:
+    """As in-process: blocks that find no free or evictable slot go to the lower tiers (copied
+    through the daemon's staging file, never the socket); without staging they are dropped, counted."""
+    for staging, direct in ((64 << 20, BIG_SLOTS), (0, 0)):
+        (tmp_path / str(staging)).mkdir()
+        d = Daemon(tmp_path / str(staging), staging_bytes=staging,
+                   tiers=[{"kind": "fsspec", "url": f"file://{tmp_path}/tier{staging}"}]).start()
+        try:
+            holder = client(d, BIG, BIG_SLOTS, doc=4, pin=True)
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "0"  # every slot pinned
+            async with d.store(BIG) as store:
+                data, new = blocks(BIG_SLOTS, 131072, seed=5), hashes(BIG_SLOTS, 5)
+                await store.put(0, new, data)
+                st = store.stats()
+                assert st.put_blocks_direct == direct and st.put_blocks_dropped == BIG_SLOTS - direct
+                holder.kill()
+                holder.wait()
+                if direct:
+                    await store.flush()
+                    deadline = time.monotonic() + 30
+                    while store.lookup(0, new, request_id="r") != [Lookup.HIT] * BIG_SLOTS:
+                        assert time.monotonic() < deadline, "the blocks never came back from the tier"
+                        time.sleep(0.05)
+                    got = torch.zeros_like(data)
+                    await store.get(0, new, got, request_id="r")
+                    assert torch.equal(got, data)
+        finally:
+            rc, err = d.stop()
+        assert rc == 0, err
+
+
 async def test_a_dropped_connections_slots_go_to_no_one_else_within_the_grace(tmp_path: Path) -> None:
     """A client whose connection broke (a call that timed out) may still be copying into the rows
     it reserved: they are handed to no one else for ``drop_grace_s``, then freed."""

@@ -142,13 +142,15 @@ class DaemonStore(TieredStore):
             return
         msg = {"g": group, "h": [h.hex() for h in hs]}
         try:
-            answer, gen = self._link.call({"op": "reserve", **msg})
+            answer, gen = self._link.call({"op": "reserve", **msg, "stage": True})
         except TierUnavailable:
             self._local["put_blocks_dropped"] += len(hs)
             return
         slots = answer.get("slots")
         if slots is None:
-            return  # no room: the daemon counted them
+            if "stage" in answer:
+                self._write_staged(msg, int(answer["stage"]), src, block_bytes, gen)
+            return  # otherwise no room anywhere: the daemon counted them
         rows = [i for i, s in enumerate(slots) if s is not None]
         if not rows:
             return
@@ -160,14 +162,31 @@ class DaemonStore(TieredStore):
                 scatter_rows(pool, [slots[i] for i in rows], data)
                 ok = True
         finally:
-            try:  # no answer to wait for: this connection's next message is served after it
-                _, now = self._link.call({"op": "commit", **msg, "ok": ok, "nr": True}, reply=False,
-                                         retry=False)
-                ok = ok and now == gen  # a new connection: the reservation went with the old one
-            except TierUnavailable:
-                ok = False
+            ok = self._send_quietly({"op": "commit", **msg, "ok": ok, "nr": True}, gen) and ok
             if not ok:
                 self._local["put_blocks_dropped"] += len(rows)
+
+    def _write_staged(self, msg: dict[str, Any], off: int, src: torch.Tensor, block_bytes: int,
+                      gen: int) -> None:
+        """A put that found no room in the pool: copy it into the staging range the daemon gave,
+        for the daemon to store from there (to the lower tiers, as an in-process put would)."""
+        staging = self._link.staging
+        n = len(msg["h"])
+        if staging is None or self._link.generation != gen:
+            self._local["put_blocks_dropped"] += n
+            return
+        staging[off:off + n * block_bytes].view(n, block_bytes).copy_(src)
+        if not self._send_quietly({"op": "write", **msg, "off": off, "nr": True}, gen):
+            self._local["put_blocks_dropped"] += n
+
+    def _send_quietly(self, msg: dict[str, Any], gen: int) -> bool:
+        """Send a message whose answer is not read; whether it went on connection ``gen`` (no
+        answer to wait for: this connection's next message is served after it)."""
+        try:
+            _, now = self._link.call(msg, reply=False, retry=False)
+        except TierUnavailable:
+            return False
+        return now == gen  # a new connection: what was given went with the old one
 
     async def flush(self) -> None:
         """Wait until the daemon's store has written its cascades down (all clients' blocks)."""

@@ -47,6 +47,9 @@ class DaemonConfig(StrictNumbers):
     #: how long a dropped connection's pins and reserved slots are kept before they go (a client
     #: whose call timed out may still be copying the rows it was given)
     drop_grace_s: Seconds = Field(default=10.0, ge=1.0)
+    #: bytes of each store's staging file: puts that find no room in the pool are copied there and
+    #: written to the lower tiers from it (0: such puts are dropped and counted)
+    staging_bytes: int = Field(default=64 << 20, ge=0)
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -58,6 +58,8 @@ class Link:
         self.pools: dict[int, torch.Tensor] = {}
         #: bumped on every new connection: slots named under one generation mean nothing in another
         self.generation = 0
+        #: the daemon's staging file, mapped (None while not connected, or when it has none)
+        self.staging: torch.Tensor | None = None
         #: names the pool of the current connection: the daemon's instance and its pool file ('' while
         #: not connected); slots mean something only within one pool id
         self.pool_id = ""
@@ -151,6 +153,12 @@ class Link:
             sock.close()
             raise TierUnavailable(f"cannot map the daemon's pool: {exc}") from None
         self.pool_id = pool_id
+        staging = answer.get("staging")
+        try:
+            self.staging = _map_file(str(staging[0]), int(staging[1])) if staging else None
+        except (OSError, TypeError, ValueError, IndexError) as exc:
+            log.warning("cannot map the daemon's staging file: %s", exc)
+            self.staging = None
         with _MAPPED_LOCK:
             _MAPPED[pool_id] = self.pools
             _MAPPED.move_to_end(pool_id)
@@ -166,12 +174,26 @@ class Link:
             self._sock = None
         self.pools = {}
         self.pool_id = ""
+        self.staging = None
 
     def close(self) -> None:
         """Hang up; no call connects again."""
         with self._lock:
             self.closed = True
             self._disconnect()
+
+
+def _map_file(path: str, size: int) -> torch.Tensor:
+    """The file at ``path`` (``size`` bytes) mapped shared, as a flat uint8 tensor (pages are
+    allocated as they are written)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"{path} is smaller than {size} bytes")
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def _map_pools(path: str, pools: list[list[int]]) -> dict[int, torch.Tensor]:

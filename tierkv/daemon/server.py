@@ -37,6 +37,7 @@ import anyio.abc
 
 from tierkv.daemon.config import DaemonConfig
 from tierkv.daemon.protocol import MAX_REQUEST_ID, VERSION, recv_message, send_message
+from tierkv.daemon.staging import Staging
 from tierkv.errors import ConfigError, InvalidArgument, TierKVError, TierUnavailable
 from tierkv.keys import GROUP_BYTES, MAX_HASH_BYTES
 from tierkv.layout import Layout
@@ -58,6 +59,7 @@ class _Served:
     store: TieredStore
     shm_path: str
     pools: list[list[int]]  # [group, offset, slots, block_bytes]
+    staging: Staging | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
 
 
@@ -71,6 +73,8 @@ class _Conn:
     #: forgotten: the store has dropped their pins already)
     requests: dict[str, float] = field(default_factory=dict)
     reserved: dict[int, set[bytes]] = field(default_factory=dict)
+    #: staging ranges handed to it: offset -> bytes
+    staged: dict[int, int] = field(default_factory=dict)
 
 
 def prepare_socket(path: str, mode: int) -> socket.socket:
@@ -157,6 +161,8 @@ class Daemon:
                         conn.shutdown(socket.SHUT_RDWR)
                 for served in list(self._stores.values()):
                     await served.store.close()
+                    if served.staging is not None:
+                        served.staging.close()
                 self._stores.clear()
 
     # ---- one connection, on its own thread ------------------------------------------------------
@@ -222,8 +228,12 @@ class Daemon:
                     store.engine.commit(group, list(keys), success=False)
         except TierKVError:  # the store closed under it (the daemon is stopping)
             pass
+        if conn.served.staging is not None:
+            for off, nbytes in conn.staged.items():
+                conn.served.staging.give(off, nbytes)
         conn.requests.clear()
         conn.reserved.clear()
+        conn.staged.clear()
 
     def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         op = msg.get("op")
@@ -273,8 +283,9 @@ class Daemon:
             raise InvalidArgument(f"layout: {str(exc).splitlines()[0][:300]}") from None
         served = await self._open(layout, namespace, fingerprint)
         conn.served = served
+        staging = served.staging
         return {"pools": served.pools, "shm": served.shm_path, "fingerprint": fingerprint,
-                "instance": self.instance}
+                "instance": self.instance, "staging": [staging.path, staging.size] if staging else None}
 
     async def _open(self, layout: Layout, namespace: str, fingerprint: str) -> _Served:
         async with self._opening:
@@ -297,7 +308,10 @@ class Daemon:
             rows = store.engine.pool_rows()
             base = min(t.data_ptr() for t in rows.values())
             pools = [[g, t.data_ptr() - base, t.shape[0], t.shape[1]] for g, t in sorted(rows.items())]
-            served = _Served(store, shm_path, pools)
+            staging = None
+            if self.config.staging_bytes:
+                staging = Staging(f"{shm_path}.staging", self.config.staging_bytes)
+            served = _Served(store, shm_path, pools, staging)
             self._stores[fingerprint] = served
             log.info("serving namespace %r, layout %s, pool %s", namespace, fingerprint, shm_path)
             return served
@@ -429,8 +443,14 @@ def _reserve(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Ca
         served.counts["puts"] += 1
         got = served.store.engine.reserve(g, keys)
         if got is None:
-            served.counts["put_blocks_dropped"] += len(keys)
-            return {"slots": None}
+            staging = served.staging
+            nbytes = len(keys) * served.store.layout.group(g).block_bytes
+            off = staging.take(nbytes) if staging is not None and msg.get("stage") is True else None
+            if off is None:
+                served.counts["put_blocks_dropped"] += len(keys)
+                return {"slots": None}
+            conn.staged[off] = nbytes
+            return {"slots": None, "stage": off}
         mine = conn.reserved.setdefault(g, set())
         mine.update(k for k, s in zip(keys, got.slots, strict=True) if s is not None)
         if msg.get("ev") is True:  # the evicted keys, for engines that report them
@@ -454,6 +474,26 @@ def _commit(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Cal
     return call
 
 
+def _write(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
+    """Store blocks a client copied into its staging range (a put that found no room), then free it."""
+    g, h, off = _group(msg), _hashes(msg), msg.get("off")
+    if type(off) is not int:
+        raise InvalidArgument("off (a staging offset) must be an int")
+
+    def call() -> dict[str, Any]:
+        staging, nbytes = served.staging, conn.staged.get(off)
+        block_bytes = served.store.layout.group(g).block_bytes
+        if staging is None or nbytes is None or len(h) * block_bytes != nbytes:
+            raise InvalidArgument("off must name a staging range this connection holds, filled by the blocks")
+        del conn.staged[off]
+        try:
+            d._on_loop(served.store.put, g, h, staging.rows(off, len(h), block_bytes))
+        finally:
+            staging.give(off, nbytes)
+        return {}
+    return call
+
+
 def _stats(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
     def call() -> dict[str, Any]:
         st = served.store.stats()
@@ -467,5 +507,5 @@ def _stats(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call
 _HANDLERS: dict[str, Callable[[Daemon, _Conn, _Served, dict[str, Any]], Call]] = {
     "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
     "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": lambda *_: lambda: {},
-    "state": _state, "states": _states, "clear": _clear, "ping": lambda *_: lambda: {},
+    "state": _state, "states": _states, "clear": _clear, "write": _write, "ping": lambda *_: lambda: {},
 }
