@@ -261,6 +261,24 @@ async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier
         assert rc == 0, err
 
 
+async def test_the_daemon_serves_its_stores_metrics_and_tells_its_clients_where(tmp_path: Path) -> None:
+    import urllib.request
+
+    d = Daemon(tmp_path, metrics_port=0).start()
+    try:
+        async with d.store(SMALL, namespace="m") as store:
+            await store.put(0, hashes(3, 1), blocks(3, 4096, seed=1))
+            url = store.metrics_url
+            assert url is not None and url.startswith("http://127.0.0.1:")
+            with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 (a local test server)
+                text = r.read().decode()
+            ready = [x for x in text.splitlines() if x.startswith("tierkv_pool_ready{")]
+            assert ready and sum(float(x.split()[-1]) for x in ready) == 3, text[-2000:]
+    finally:
+        rc, err = d.stop()
+    assert rc == 0, err
+
+
 async def test_a_dropped_connections_slots_go_to_no_one_else_within_the_grace(tmp_path: Path) -> None:
     """A client whose connection broke (a call that timed out) may still be copying into the rows
     it reserved: they are handed to no one else for ``drop_grace_s``, then freed."""

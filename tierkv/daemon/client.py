@@ -114,8 +114,9 @@ class DaemonStore(TieredStore):
 
     @property
     def metrics_url(self) -> str | None:
-        """None: the daemon's store counts (``stats()``)."""
-        return None
+        """Where the daemon serves its store's metrics (its ``metrics_port``), as it said when this
+        store last attached; None when it does not."""
+        return self._link.metrics_url
 
     @property
     def engine(self) -> DaemonSlots:  # type: ignore[override]

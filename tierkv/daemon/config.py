@@ -50,6 +50,10 @@ class DaemonConfig(StrictNumbers):
     #: bytes of each store's staging file: puts that find no room in the pool are copied there and
     #: written to the lower tiers from it (0: such puts are dropped and counted)
     staging_bytes: int = Field(default=64 << 20, ge=0)
+    #: serve each store's Prometheus metrics: the first store opened at this port, the next at the
+    #: next port, and so on (0: a free port each); unset: none (``TIERKV_METRICS_PORT`` aside)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -82,9 +86,14 @@ class DaemonConfig(StrictNumbers):
             raise ConfigError(f"{path}: the daemon config must be a mapping of keys to values")
         return cls(**data)
 
-    def store_config(self, layout: Layout, namespace: str, shm_path: str) -> StoreConfig:
-        """The config of the store serving ``namespace`` and ``layout``, its pool in ``shm_path``."""
+    def store_config(self, layout: Layout, namespace: str, shm_path: str, index: int = 0) -> StoreConfig:
+        """The config of the ``index``-th store opened, serving ``namespace`` and ``layout``, its
+        pool in ``shm_path``."""
         primary = {"kind": "cpu", "capacity_bytes": self.cpu_bytes_to_use, "shm_path": shm_path or None}
+        port = self.metrics_port
+        if port:
+            port = min(65535, port + index)
         return StoreConfig(layout=layout, namespace=namespace, tiers=[primary, *self.tiers],
                            max_concurrent_requests=self.max_concurrent_requests, policy=self.eviction_policy,
-                           pin_lease_s=self.pin_lease_s, max_pending_s=self.max_pending_s)
+                           pin_lease_s=self.pin_lease_s, max_pending_s=self.max_pending_s,
+                           metrics_port=port, metrics_host=self.metrics_host)

@@ -58,6 +58,8 @@ class Link:
         self.pools: dict[int, torch.Tensor] = {}
         #: bumped on every new connection: slots named under one generation mean nothing in another
         self.generation = 0
+        #: where the daemon serves the store's metrics (None: it does not, or not connected)
+        self.metrics_url: str | None = None
         #: the daemon's staging file, mapped (None while not connected, or when it has none)
         self.staging: torch.Tensor | None = None
         #: names the pool of the current connection: the daemon's instance and its pool file ('' while
@@ -153,6 +155,8 @@ class Link:
             sock.close()
             raise TierUnavailable(f"cannot map the daemon's pool: {exc}") from None
         self.pool_id = pool_id
+        metrics = answer.get("metrics")
+        self.metrics_url = metrics if isinstance(metrics, str) else None
         staging = answer.get("staging")
         try:
             self.staging = _map_file(str(staging[0]), int(staging[1])) if staging else None

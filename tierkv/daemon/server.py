@@ -124,6 +124,7 @@ class Daemon:
         self._opening = anyio.Lock()
         self._ids = itertools.count(1)
         self._live: set[socket.socket] = set()
+        self._opened = 0
         #: names this run of the daemon: a pool slot means something only within one instance
         self.instance = secrets.token_hex(8)
         #: connections gone, with when their pins and reservations are let go
@@ -285,7 +286,8 @@ class Daemon:
         conn.served = served
         staging = served.staging
         return {"pools": served.pools, "shm": served.shm_path, "fingerprint": fingerprint,
-                "instance": self.instance, "staging": [staging.path, staging.size] if staging else None}
+                "instance": self.instance, "staging": [staging.path, staging.size] if staging else None,
+                "metrics": served.store.metrics_url}
 
     async def _open(self, layout: Layout, namespace: str, fingerprint: str) -> _Served:
         async with self._opening:
@@ -301,7 +303,7 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(shm_path)
             try:
-                store = TieredStore(self.config.store_config(layout, namespace, shm_path))
+                store = TieredStore(self.config.store_config(layout, namespace, shm_path, self._opened))
                 await store.open()
             except TierKVError as exc:
                 raise InvalidArgument(f"cannot open a store for this layout: {exc}") from None
@@ -313,7 +315,9 @@ class Daemon:
                 staging = Staging(f"{shm_path}.staging", self.config.staging_bytes)
             served = _Served(store, shm_path, pools, staging)
             self._stores[fingerprint] = served
-            log.info("serving namespace %r, layout %s, pool %s", namespace, fingerprint, shm_path)
+            self._opened += 1
+            log.info("serving namespace %r, layout %s, pool %s%s", namespace, fingerprint, shm_path,
+                     f", metrics at {store.metrics_url}" if store.metrics_url else "")
             return served
 
 
