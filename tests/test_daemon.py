@@ -270,10 +270,41 @@ async def test_the_daemon_serves_its_stores_metrics_and_tells_its_clients_where(
             await store.put(0, hashes(3, 1), blocks(3, 4096, seed=1))
             url = store.metrics_url
             assert url is not None and url.startswith("http://127.0.0.1:")
-            with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 (a local test server)
+            with urllib.request.urlopen(url, timeout=30) as r:
                 text = r.read().decode()
             ready = [x for x in text.splitlines() if x.startswith("tierkv_pool_ready{")]
             assert ready and sum(float(x.split()[-1]) for x in ready) == 3, text[-2000:]
+    finally:
+        rc, err = d.stop()
+    assert rc == 0, err
+
+
+async def test_an_old_pool_stays_mapped_for_loads_prepared_before_a_restart_then_is_freed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a daemon restart the old pool stays readable in the client (a load prepared from
+    earlier lookups reads it), and is let go RETIRE_S later: its pages do not stay pinned."""
+    from tierkv.daemon import link
+
+    d = Daemon(tmp_path).start()
+    try:
+        async with d.store(SMALL) as store:
+            store.lookup(0, hashes(1, 1))
+            old = store.engine.pool_of("nobody")
+            assert old and link.mapped_pools(old) is not None
+            assert d.proc is not None
+            d.proc.kill()
+            d.proc.wait()
+            d.start()
+            deadline = time.monotonic() + 30
+            while store.engine.pool_of("nobody") in ("", old):
+                assert time.monotonic() < deadline, "the store never reattached"
+                store.lookup(0, hashes(1, 1))
+                time.sleep(0.05)
+            assert link.mapped_pools(old) is not None, "a load prepared before the restart reads it"
+            monkeypatch.setattr(link, "RETIRE_S", 0.5)
+            time.sleep(0.6)
+            assert link.mapped_pools(old) is None, "the old pool outlived its retirement"
+            assert link.mapped_pools(store.engine.pool_of("nobody")) is not None
     finally:
         rc, err = d.stop()
     assert rc == 0, err

@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -29,18 +28,31 @@ log = logging.getLogger("tierkv.daemon")
 
 #: after a failure, no new connection is tried for this long (a dead daemon costs nothing per call)
 RETRY_S = 0.05
-#: the pools this process mapped last, by pool id (an instance's rows are still read
-#: after its daemon is gone: its file was replaced, never reused, so nobody else writes them)
-_MAPPED: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
-_MAPPED_KEEP = 4
+#: the pools this process has mapped, by pool id: an old daemon's rows are still read after it is
+#: gone (a load prepared before its restart), and its file was replaced, never reused, so nobody
+#: else writes them. A pool no link of this process is attached to any more is forgotten (its
+#: pages freed) RETIRE_S after the link left it.
+_MAPPED: dict[str, dict[int, torch.Tensor]] = {}
+_ATTACHED: dict[str, int] = {}  # links attached to each pool now
+_RETIRED: dict[str, float] = {}  # since when none is
 _MAPPED_LOCK = threading.Lock()
+RETIRE_S = 60.0
 
 
 def mapped_pools(pool_id: str) -> dict[int, torch.Tensor] | None:
     """Each group's rows of the pool named ``pool_id`` (:attr:`Link.pool_id`), as mapped by a link
-    of this process (None when none mapped it, or more than four others were mapped since)."""
+    of this process (None when none did, or its link left it more than :data:`RETIRE_S` ago)."""
     with _MAPPED_LOCK:
+        _expire()
         return _MAPPED.get(pool_id)
+
+
+def _expire() -> None:
+    now = time.monotonic()
+    for pool_id, since in list(_RETIRED.items()):
+        if now - since > RETIRE_S:
+            del _RETIRED[pool_id]
+            _MAPPED.pop(pool_id, None)
 
 
 class Link:
@@ -165,9 +177,8 @@ class Link:
             self.staging = None
         with _MAPPED_LOCK:
             _MAPPED[pool_id] = self.pools
-            _MAPPED.move_to_end(pool_id)
-            while len(_MAPPED) > _MAPPED_KEEP:
-                _MAPPED.popitem(last=False)
+            _ATTACHED[pool_id] = _ATTACHED.get(pool_id, 0) + 1
+            _RETIRED.pop(pool_id, None)
         self._sock = sock
         self.generation += 1
         return sock
@@ -176,6 +187,13 @@ class Link:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.pool_id:
+            with _MAPPED_LOCK:
+                left = _ATTACHED.pop(self.pool_id, 1) - 1
+                if left > 0:
+                    _ATTACHED[self.pool_id] = left
+                else:
+                    _RETIRED[self.pool_id] = time.monotonic()
         self.pools = {}
         self.pool_id = ""
         self.staging = None

@@ -454,6 +454,7 @@ def _reserve(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Ca
                 served.counts["put_blocks_dropped"] += len(keys)
                 return {"slots": None}
             conn.staged[off] = nbytes
+            served.counts["puts"] -= 1  # the store counts the put it makes from staging
             return {"slots": None, "stage": off}
         mine = conn.reserved.setdefault(g, set())
         mine.update(k for k, s in zip(keys, got.slots, strict=True) if s is not None)
