@@ -105,6 +105,22 @@ def test_two_engines_share_blocks_through_the_daemon_and_a_killed_daemon_never_s
         b.close()
 
 
+def test_an_engine_whose_daemon_is_not_there_serves_on_with_misses(tmp_path: Path) -> None:
+    """The daemon not started (or gone): the engine starts, every lookup is MISS, stores are
+    skipped (prepare_store None: vLLM keeps the blocks on the GPU), nothing raises or hangs."""
+    e = DaemonEngine(tmp_path, str(tmp_path / "nobody.sock"), "engine-c")
+    try:
+        keys = [key(i, 0) for i in range(3)]
+        t0 = time.monotonic()
+        assert [e.manager.lookup(k, ctx("r1")) for k in keys] == [LookupResult.MISS] * 3
+        assert e.manager.prepare_store(keys, ctx("r1")) is None
+        e.manager.on_request_finished(ctx("r1"))
+        e.manager.get_stats()  # vLLM asks after every step: it must not raise
+        assert time.monotonic() - t0 < 5
+    finally:
+        e.close()
+
+
 def test_a_daemon_engine_refuses_tiers_of_its_own_and_kv_events_in_one_clear_error(tmp_path: Path) -> None:
     from tierkv.adapters.vllm import TierKVOffloadingSpec
 
