@@ -219,3 +219,25 @@ def hybrid_group() -> tuple[Any, Any, dict[str, Any]]:
                            entry(PoolName.SWA, swa_host, swa_dev),
                            entry(PoolName.MAMBA, m_host, m_dev)])
     return group, kv_dev, {"kv": kv_host, "swa": swa_host, "mamba": m_host}
+
+
+def restored_from_another_process(extra: dict[str, Any], tmp: Any, closing: list[Any]) -> Any:
+    """Five pages backed up by ``write_pages.py`` in a process of its own, then prefetched through
+    a controller of this process into other host slots: checked equal; the controller (closed
+    after the test)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    want_file = Path(tmp) / "want.pt"
+    subprocess.run([sys.executable, str(Path(__file__).parent / "write_pages.py"), json.dumps(extra),
+                    "page_first", "7", "5", str(want_file)], check=True, timeout=300)
+    want = torch.load(want_file)
+    dev, host = make_mha("page_first_direct")
+    ctl = controller(HostPoolGroup([entry(PoolName.KV, host, dev, anchor=True)]), dev, extra)
+    closing.append(ctl)
+    op, done = prefetch(ctl, host, tokens(5, seed=7))
+    assert done == 5 * PAGE
+    assert all(torch.equal(a, b) for a, b in zip(want, logical_mha(host, op.host_indices), strict=True))
+    return ctl

@@ -11,10 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from sgl_pools import PAGE, TIERKV, controller, entry, logical_mha, make_mha, prefetch, tokens
-from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.pool_host import HostPoolGroup
+from sgl_pools import TIERKV, restored_from_another_process
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -41,17 +38,7 @@ def daemon(tmp_path: Path) -> Iterator[str]:
 def test_pages_written_by_one_process_are_served_to_another_from_the_daemons_pool(
         tmp_path: Path, daemon: str, closing: list[Any]) -> None:
     extra = {**TIERKV, "interface_v1": 1, "daemon": daemon}
-    want_file = tmp_path / "want.pt"
-    subprocess.run([sys.executable, str(HERE / "write_pages.py"), json.dumps(extra), "page_first", "7", "5",
-                    str(want_file)], check=True, timeout=300)
-    want = torch.load(want_file)
-
-    dev, host = make_mha("page_first_direct")
-    ctl = controller(HostPoolGroup([entry(PoolName.KV, host, dev, anchor=True)]), dev, extra)
-    closing.append(ctl)
-    op, done = prefetch(ctl, host, tokens(5, seed=7))
-    assert done == 5 * PAGE
-    assert all(torch.equal(a, b) for a, b in zip(want, logical_mha(host, op.host_indices), strict=True))
+    ctl = restored_from_another_process(extra, tmp_path, closing)
     stats = ctl.storage_backend.stats()
     tier = stats.tiers[1]
     assert tier.hits == tier.bytes_read == tier.promotions == 0, "served from the daemon's pool, not its tier"

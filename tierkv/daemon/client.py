@@ -199,31 +199,31 @@ class DaemonStore(TieredStore):
         await self.flush()
 
     # ---- lookups --------------------------------------------------------------------------------
-    def lookup(self, group: int, hashes: Sequence[bytes], request_id: str | None = None) -> list[Lookup]:
-        """Per block: HIT, PENDING or MISS, as :meth:`TieredStore.lookup`; all MISS while the daemon
-        is not reachable. Never waits longer than ``max_pending_s`` (or 5 s)."""
-        hs, _ = self._rows(group, hashes)
-        msg: dict[str, Any] = {"op": "lookup", "g": group, "h": [h.hex() for h in hs]}
+    def _ask(self, msg: dict[str, Any], request_id: str | None, misses: int) -> dict[str, Any] | None:
+        """A lookup's answer; None, counting ``misses`` lookups answered MISS, when the daemon is
+        not reachable."""
         if request_id is not None:
             msg["r"] = user_request(request_id)
         try:
             answer, _ = self._link.call(msg)
         except TierUnavailable:
-            self._local["lookups_unreachable"] += len(hs)
-            return [Lookup.MISS] * len(hs)
-        return [_LOOKUP[c] for c in answer["s"]]
+            self._local["lookups_unreachable"] += misses
+            return None
+        return answer
+
+    def lookup(self, group: int, hashes: Sequence[bytes], request_id: str | None = None) -> list[Lookup]:
+        """Per block: HIT, PENDING or MISS, as :meth:`TieredStore.lookup`; all MISS while the daemon
+        is not reachable. Never waits longer than ``max_pending_s`` (or 5 s)."""
+        hs, _ = self._rows(group, hashes)
+        answer = self._ask({"op": "lookup", "g": group, "h": [h.hex() for h in hs]}, request_id, len(hs))
+        return [Lookup.MISS] * len(hs) if answer is None else [_LOOKUP[c] for c in answer["s"]]
 
     def lookup_prefix(self, hashes: Sequence[bytes], request_id: str | None = None) -> PrefixLookup:
         """As :meth:`TieredStore.lookup_prefix`; ``(0, MISS)`` while the daemon is not reachable."""
         self._check_open()
         hs = check_hashes(hashes)
-        msg: dict[str, Any] = {"op": "prefix", "h": [h.hex() for h in hs]}
-        if request_id is not None:
-            msg["r"] = user_request(request_id)
-        try:
-            answer, _ = self._link.call(msg)
-        except TierUnavailable:
-            self._local["lookups_unreachable"] += 1
+        answer = self._ask({"op": "prefix", "h": [h.hex() for h in hs]}, request_id, 1)
+        if answer is None:
             return PrefixLookup(blocks=0, state=Lookup.MISS)
         return PrefixLookup(blocks=int(answer["n"]), state=Lookup(answer["s"]))
 
@@ -231,15 +231,8 @@ class DaemonStore(TieredStore):
                       request_id: str | None = None) -> list[KeyState]:
         """As :meth:`TieredStore.lookup_states`; all MISS while the daemon is not reachable."""
         hs, _ = self._rows(group, hashes)
-        msg: dict[str, Any] = {"op": "states", "g": group, "h": [h.hex() for h in hs]}
-        if request_id is not None:
-            msg["r"] = user_request(request_id)
-        try:
-            answer, _ = self._link.call(msg)
-        except TierUnavailable:
-            self._local["lookups_unreachable"] += len(hs)
-            return [KeyState.MISS] * len(hs)
-        return [KeyState(k) for k in answer["k"]]
+        answer = self._ask({"op": "states", "g": group, "h": [h.hex() for h in hs]}, request_id, len(hs))
+        return [KeyState.MISS] * len(hs) if answer is None else [KeyState(k) for k in answer["k"]]
 
     def release(self, request_id: str) -> None:
         """Drop every pin ``request_id`` holds (nothing to do while the daemon is not reachable)."""
