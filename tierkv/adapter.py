@@ -12,6 +12,9 @@ store).
   :func:`cap_switch_interval`, :data:`ENGINE_SWITCH_INTERVAL_S`;
 - pools the engine shares: :func:`shared_pool_tensors`, :func:`adopt_shared` /
   :func:`release_shared` (memory the engine owns, registered for the tier's reader processes);
+- a ``tierkv serve`` daemon's pool, for an engine's processes that copy into its rows:
+  :class:`DaemonLink` (a connection that maps it; ``rows_of(pool_id)``), :func:`daemon_pool_rows`
+  (the rows of a pool id some link of this process mapped);
 - copies between an engine's device tensors and pool rows: :class:`DeviceTransfer`, :class:`Copy`;
 - a lower tier driven without a store (vLLM's secondary tier): :class:`TierGateway`,
   :class:`FsspecTier`, :class:`FsspecTierConfig`, :class:`TierContext`, :func:`redact_url`,
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from tierkv.blocks.sharedmem import release as release_shared
     from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
     from tierkv.config import format_validation_error
+    from tierkv.daemon.link import Link as DaemonLink
+    from tierkv.daemon.link import mapped_pools as daemon_pool_rows
     from tierkv.keys import GROUP_BYTES
     from tierkv.movement.engine import EngineSlots
     from tierkv.movement.gateway import TierGateway
@@ -81,6 +86,8 @@ _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.blocks.pool", n) for n in ["shared_pool_tensors"]},
     "adopt_shared": ("tierkv.blocks.sharedmem", "adopt"),
     "release_shared": ("tierkv.blocks.sharedmem", "release"),
+    "DaemonLink": ("tierkv.daemon.link", "Link"),
+    "daemon_pool_rows": ("tierkv.daemon.link", "mapped_pools"),
     **{n: ("tierkv.transfer", n) for n in ["Copy", "DeviceTransfer"]},
 }
 
@@ -89,6 +96,7 @@ __all__ = [
     "Bytes",
     "Copy",
     "Count",
+    "DaemonLink",
     "DeviceTransfer",
     "ENGINE_SWITCH_INTERVAL_S",
     "EngineSlots",
@@ -111,6 +119,7 @@ __all__ = [
     "USED_BYTES",
     "adopt_shared",
     "all_metrics",
+    "daemon_pool_rows",
     "cap_switch_interval",
     "format_validation_error",
     "is_local_url",

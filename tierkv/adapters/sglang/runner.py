@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from tierkv import BlockMissing, StoreStats, TieredStore, make_key
-from tierkv.adapter import KeyState, LoopThread
+from tierkv.adapter import KeyState, LoopThread, daemon_pool_rows
 from tierkv.adapters.sglang.pages import Rows
-from tierkv.daemon.link import mapped_pools
 
 __all__ = ["Fill", "StoreRunner"]
 
@@ -85,7 +84,7 @@ class StoreRunner:
         """Group ``group``'s rows of the pool a reservation names (None: not mapped here)."""
         if not self._daemon:
             return self._pool_rows.get(group)
-        rows = mapped_pools(pool_id)
+        rows = daemon_pool_rows(pool_id)
         return rows.get(group) if rows is not None else None
 
     def get(self, group: int, hashes: Sequence[bytes], rows: torch.Tensor) -> list[bool]:

@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierkv import ConfigError, Layout, plan_pools
-from tierkv.adapter import all_metrics, cap_switch_interval, shared_pool_tensors
+from tierkv.adapter import DaemonLink, all_metrics, cap_switch_interval, shared_pool_tensors
 from tierkv.adapters.fingerprint import engine_namespace, persistent_tiers
 from tierkv.adapters.vllm.config import AdapterConfig
 from tierkv.adapters.vllm.cpu import cpu_kv_format, ensure_amx_permission
@@ -39,7 +39,6 @@ from tierkv.adapters.vllm.fingerprint import (
 from tierkv.adapters.vllm.groups import build_layout, infer_group_info
 from tierkv.adapters.vllm.manager import TierKVOffloadingManager, vllm_metric_definitions
 from tierkv.adapters.vllm.worker import PoolRows, TierKVWorker, group_copies
-from tierkv.daemon.link import Link
 
 __all__ = ["TierKVOffloadingSpec"]
 
@@ -134,7 +133,7 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
                                                    for g in plan.groups))
         else:
             self._backends = str(backends or "") or None
-            link = Link(self.settings.daemon, self.namespace, layout, DAEMON_CALL_S)
+            link = DaemonLink(self.settings.daemon, self.namespace, layout, DAEMON_CALL_S)
             pools = link.rows_of
             log.info("tierkv: this engine's pool is the daemon's at %s", self.settings.daemon)
         if self.rank == 0:
