@@ -310,6 +310,22 @@ async def test_an_old_pool_stays_mapped_for_loads_prepared_before_a_restart_then
     assert rc == 0, err
 
 
+async def test_slots_answered_on_one_connection_are_never_used_with_anothers_rows(daemon: Daemon) -> None:
+    """A reconnection between a call and the use of its slots (another thread's call, a daemon
+    restart): the call's connection is no longer attached, so its slots are not used at all."""
+    async with daemon.store(SMALL) as store:
+        link = store._link  # type: ignore[attr-defined]
+        _, first = link.call({"op": "ping"})
+        assert link.attached(first) is not None and link.attached(first).pools
+        link.close()
+        link.closed = False
+        time.sleep(0.06)  # past the reconnection back-off
+        _, second = link.call({"op": "ping"})
+        assert second != first
+        assert link.attached(first) is None, "an old connection's slots would land in the new rows"
+        assert link.attached(second) is not None
+
+
 async def test_a_dropped_connections_slots_go_to_no_one_else_within_the_grace(tmp_path: Path) -> None:
     """A client whose connection broke (a call that timed out) may still be copying into the rows
     it reserved: they are handed to no one else for ``drop_grace_s``, then freed."""

@@ -157,8 +157,9 @@ class DaemonStore(TieredStore):
             return
         ok = False
         try:
-            pool = self._link.pools.get(group)
-            if pool is not None and self._link.generation == gen:
+            at = self._link.attached(gen)
+            pool = at.pools.get(group) if at is not None else None
+            if pool is not None:
                 data = src if len(rows) == len(hs) else src.index_select(0, torch.tensor(rows))
                 scatter_rows(pool, [slots[i] for i in rows], data)
                 ok = True
@@ -171,9 +172,10 @@ class DaemonStore(TieredStore):
                       gen: int) -> None:
         """A put that found no room in the pool: copy it into the staging range the daemon gave,
         for the daemon to store from there (to the lower tiers, as an in-process put would)."""
-        staging = self._link.staging
+        at = self._link.attached(gen)
+        staging = at.staging if at is not None else None
         n = len(msg["h"])
-        if staging is None or self._link.generation != gen:
+        if staging is None:
             self._local["put_blocks_dropped"] += n
             return
         staging[off:off + n * block_bytes].view(n, block_bytes).copy_(src)
@@ -276,10 +278,10 @@ class DaemonStore(TieredStore):
             await anyio.sleep(nap)
             nap = min(nap * 2, 0.005)
         pinned_at = time.monotonic()
-        pool = self._link.pools.get(group)
-        copied = pool is not None and self._link.generation == gen
-        if copied:
-            assert pool is not None
+        at = self._link.attached(gen)
+        pool = at.pools.get(group) if at is not None else None
+        copied = pool is not None
+        if pool is not None:
             _gather(pool, answer["slots"], out8)
         # the rows stay pinned for the daemon's drop grace even if the connection broke meanwhile,
         # and a restarted daemon never reuses the old pool's pages: a copy that started on the

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from tierkv.daemon.protocol import VERSION, recv_message, send_message
 from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.layout import Layout
 
-__all__ = ["RETRY_S", "Link", "mapped_pools"]
+__all__ = ["RETRY_S", "Attachment", "Link", "mapped_pools"]
 
 log = logging.getLogger("tierkv.daemon")
 
@@ -53,6 +54,15 @@ def _expire() -> None:
         if now - since > RETIRE_S:
             del _RETIRED[pool_id]
             _MAPPED.pop(pool_id, None)
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What one connection mapped: each group's pool rows, the pool's id, the staging file."""
+
+    pools: dict[int, torch.Tensor]
+    pool_id: str
+    staging: torch.Tensor | None
 
 
 class Link:
@@ -110,6 +120,15 @@ class Link:
             except (OSError, TierUnavailable) as exc:
                 self._disconnect()
                 raise TierUnavailable(f"tierkv daemon at {self.path}: {exc}") from None
+
+    def attached(self, generation: int) -> Attachment | None:
+        """What connection ``generation`` mapped (its pools, pool id and staging file), read
+        together; None when that connection is no longer the current one. Slots a call answered
+        on one connection must only ever be used with that connection's rows."""
+        with self._lock:
+            if self.generation != generation or self._sock is None:
+                return None
+            return Attachment(self.pools, self.pool_id, self.staging)
 
     def rows_of(self, pool_id: str) -> dict[int, torch.Tensor] | None:
         """The rows of the pool ``pool_id`` names: mapped by this process already, or the daemon's

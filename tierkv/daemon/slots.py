@@ -61,13 +61,16 @@ class DaemonSlots:
         """The key's state, pinning it for the request (see the module docstring)."""
         rid = user_request(request_id)
         try:
-            answer, _ = self._link.call({"op": "state", "g": group, "h": [_hash(key, group)], "r": rid})
+            answer, gen = self._link.call({"op": "state", "g": group, "h": [_hash(key, group)], "r": rid})
         except TierUnavailable:
             return KeyState.MISS
         state = KeyState(answer["k"][0])
         if state is not KeyState.READY:
             return state
-        pool = self._link.pool_id
+        at = self._link.attached(gen)
+        if at is None:  # pinned on a connection gone since: its pins go with it
+            return KeyState.MISS
+        pool = at.pool_id
         with self._lock:
             held = self._held.get(request_id)
             if held is None or not held[1]:
@@ -111,15 +114,16 @@ class DaemonSlots:
         """WRITING slots in the daemon's pool for these keys (see :meth:`EngineSlots.reserve`), in
         the pool :attr:`Reservation.pool` names; None when it has no room or cannot be reached."""
         try:
-            answer, _ = self._link.call({"op": "reserve", "g": group, "h": [_hash(k, group) for k in keys],
-                                         "ev": True})
+            answer, gen = self._link.call({"op": "reserve", "g": group, "h": [_hash(k, group) for k in keys],
+                                           "ev": True})
         except TierUnavailable:
             return None
         slots = answer.get("slots")
-        if slots is None:
+        at = self._link.attached(gen)
+        if slots is None or at is None:  # no room; or reserved on a connection gone since
             return None
         return Reservation(slots=slots, evicted=[bytes.fromhex(k) for k in answer.get("ev", [])],
-                           pool=self._link.pool_id)
+                           pool=at.pool_id)
 
     def commit(self, group: int, keys: list[bytes], success: bool = True) -> None:
         """Complete reserved keys (on the connection that reserved them; otherwise the daemon has
