@@ -8,8 +8,9 @@ the client copies rows itself:
 - a put reserves WRITING slots (invisible to lookups), the client fills them, then commits;
 - a get pins READY slots for a request of the connection, the client copies them, then unpins.
 
-What a connection holds is its own: request ids are scoped to it, and when it drops (closed,
-killed) its pins are released and its reservations abandoned (freed, never READY). A message that
+What a connection holds is its own: request ids are scoped to it, and ``drop_grace_s`` after it
+drops (closed, killed) its pins are released and its reservations abandoned (freed, never READY).
+The operations themselves are :mod:`tierkv.daemon.ops`. A message that
 is not valid (not a frame, over the size limit, not JSON, an unknown operation, a field of the wrong
 type, a namespace the daemon does not serve) gets an error and the connection is closed; errors a
 store raises for a valid message are answered and the connection stays.
@@ -28,7 +29,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -36,45 +36,17 @@ import anyio
 import anyio.abc
 
 from tierkv.daemon.config import DaemonConfig
-from tierkv.daemon.protocol import MAX_REQUEST_ID, VERSION, recv_message, send_message
+from tierkv.daemon.ops import HANDLERS, Conn, Served, let_go
+from tierkv.daemon.protocol import VERSION, recv_message, send_message
 from tierkv.daemon.staging import Staging
 from tierkv.errors import ConfigError, InvalidArgument, TierKVError, TierUnavailable
-from tierkv.keys import GROUP_BYTES, MAX_HASH_BYTES
 from tierkv.layout import Layout
-from tierkv.movement.lookup import KeyState
 from tierkv.store import TieredStore
 
 __all__ = ["Daemon", "prepare_socket"]
 
 log = logging.getLogger("tierkv.daemon")
 T = TypeVar("T")
-
-_LOOKUP_CHAR = {"hit": "h", "pending": "p", "miss": "m"}
-
-
-@dataclass
-class _Served:
-    """One open store and what a client needs to map its pools."""
-
-    store: TieredStore
-    shm_path: str
-    pools: list[list[int]]  # [group, offset, slots, block_bytes]
-    staging: Staging | None = None
-    counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
-
-
-@dataclass
-class _Conn:
-    """What one connection holds: its store, its request ids, its reserved keys per group."""
-
-    id: int
-    served: _Served | None = None
-    #: request id -> when it was last named, oldest first (ids idle past the pin lease are
-    #: forgotten: the store has dropped their pins already)
-    requests: dict[str, float] = field(default_factory=dict)
-    reserved: dict[int, set[bytes]] = field(default_factory=dict)
-    #: staging ranges handed to it: offset -> bytes
-    staged: dict[int, int] = field(default_factory=dict)
 
 
 def prepare_socket(path: str, mode: int) -> socket.socket:
@@ -120,7 +92,7 @@ class Daemon:
         self.config = config
         self.socket_path = socket_path
         self._tag = hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:12]
-        self._stores: dict[str, _Served] = {}
+        self._stores: dict[str, Served] = {}
         self._opening = anyio.Lock()
         self._ids = itertools.count(1)
         self._live: set[socket.socket] = set()
@@ -128,7 +100,7 @@ class Daemon:
         #: names this run of the daemon: a pool slot means something only within one instance
         self.instance = secrets.token_hex(8)
         #: connections gone, with when their pins and reservations are let go
-        self._graced: list[tuple[float, _Conn]] = []
+        self._graced: list[tuple[float, Conn]] = []
         self._graced_lock = threading.Lock()
 
     async def serve(self, sock: socket.socket, ready: Callable[[], None] | None = None) -> None:
@@ -168,7 +140,7 @@ class Daemon:
 
     # ---- one connection, on its own thread ------------------------------------------------------
     def _connection(self, sock: socket.socket) -> None:
-        conn = _Conn(next(self._ids))
+        conn = Conn(next(self._ids))
         try:
             if len(self._live) > self.config.max_clients:
                 raise InvalidArgument(f"the daemon serves at most {self.config.max_clients} connections")
@@ -193,7 +165,7 @@ class Daemon:
             self._drop(conn)
             sock.close()
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Conn) -> None:
         """The connection is gone: its pins and reservations go after ``drop_grace_s``.
 
         Not at once: a client whose connection broke while the daemon lives (a call that timed
@@ -213,43 +185,19 @@ class Daemon:
                 due = [c for t, c in self._graced if t <= now]
                 self._graced = [(t, c) for t, c in self._graced if t > now]
             for conn in due:
-                self._let_go(conn)
+                let_go(conn)
 
-    @staticmethod
-    def _let_go(conn: _Conn) -> None:
-        """Release a gone connection's requests' pins, abandon its reservations."""
-        if conn.served is None:
-            return
-        store = conn.served.store
-        try:
-            for rid in conn.requests:
-                store.release(rid)
-            for group, keys in conn.reserved.items():
-                if keys:
-                    store.engine.commit(group, list(keys), success=False)
-        except TierKVError:  # the store closed under it (the daemon is stopping)
-            pass
-        if conn.served.staging is not None:
-            for off, nbytes in conn.staged.items():
-                conn.served.staging.give(off, nbytes)
-        conn.requests.clear()
-        conn.reserved.clear()
-        conn.staged.clear()
-
-    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         op = msg.get("op")
         if op == "hello":
             return self._on_loop(self._hello, conn, msg)
         served = conn.served
         if served is None:
             raise InvalidArgument("say hello first")
-        handler = _HANDLERS.get(op) if isinstance(op, str) else None
+        handler = HANDLERS.get(op) if isinstance(op, str) else None
         if handler is None:
             raise InvalidArgument(f"unknown operation {str(op)[:40]!r}")
-        if op == "flush":
-            self._on_loop(served.store.flush)
-            return {}
-        call = handler(self, conn, served, msg)  # parses first: a bad field is fatal
+        call = handler(self._on_loop, conn, served, msg)  # parses first: a bad field is fatal
         quiet = msg.get("nr") is True  # the client reads no answer to this one
         try:
             answer = call()
@@ -267,7 +215,7 @@ class Daemon:
         except RuntimeError as exc:  # the loop is gone: the daemon is stopping
             raise TierUnavailable(f"the daemon is stopping: {exc}") from None
 
-    async def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _hello(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.served is not None:
             raise InvalidArgument("hello twice on one connection")
         if msg.get("version") != VERSION:
@@ -289,7 +237,7 @@ class Daemon:
                 "instance": self.instance, "staging": [staging.path, staging.size] if staging else None,
                 "metrics": served.store.metrics_url}
 
-    async def _open(self, layout: Layout, namespace: str, fingerprint: str) -> _Served:
+    async def _open(self, layout: Layout, namespace: str, fingerprint: str) -> Served:
         async with self._opening:
             served = self._stores.get(fingerprint)
             if served is not None:
@@ -313,204 +261,9 @@ class Daemon:
             staging = None
             if self.config.staging_bytes:
                 staging = Staging(f"{shm_path}.staging", self.config.staging_bytes)
-            served = _Served(store, shm_path, pools, staging)
+            served = Served(store, shm_path, pools, staging)
             self._stores[fingerprint] = served
             self._opened += 1
             log.info("serving namespace %r, layout %s, pool %s%s", namespace, fingerprint, shm_path,
                      f", metrics at {store.metrics_url}" if store.metrics_url else "")
             return served
-
-
-# ---- message fields: a wrong one raises InvalidArgument (the connection is closed) ------------
-def _group(msg: dict[str, Any]) -> int:
-    g = msg.get("g")
-    if type(g) is not int:
-        raise InvalidArgument("g (the group) must be an int")
-    return g
-
-
-def _hashes(msg: dict[str, Any]) -> list[bytes]:
-    h = msg.get("h")
-    if not isinstance(h, list):
-        raise InvalidArgument("h (the hashes) must be a list of hex strings")
-    try:
-        out = [bytes.fromhex(x) for x in h]
-    except (TypeError, ValueError):
-        raise InvalidArgument("h (the hashes) must be a list of hex strings") from None
-    if any(not 0 < len(x) <= MAX_HASH_BYTES for x in out):
-        raise InvalidArgument(f"a hash must be 1..{MAX_HASH_BYTES} bytes long")
-    if len(set(out)) != len(out):
-        raise InvalidArgument("a hash repeats within the message")
-    return out
-
-
-def _request(conn: _Conn, msg: dict[str, Any], required: bool = False) -> str | None:
-    r = msg.get("r")
-    if r is None and not required:
-        return None
-    if not isinstance(r, str) or not 0 < len(r) <= MAX_REQUEST_ID:
-        raise InvalidArgument(f"r (the request id) must be a string of 1..{MAX_REQUEST_ID} characters")
-    rid = f"{conn.id}/{r}"
-    requests, now = conn.requests, time.monotonic()
-    requests.pop(rid, None)
-    requests[rid] = now
-    if len(requests) > 4096:
-        lease = conn.served.store.config.pin_lease_s if conn.served is not None else 0.0
-        while requests and now - next(iter(requests.values())) > lease:
-            del requests[next(iter(requests))]
-    return rid
-
-
-def _keys(group: int, hashes: list[bytes]) -> list[bytes]:
-    tail = group.to_bytes(GROUP_BYTES, "big") if 0 <= group < 1 << 31 else b""
-    return [h + tail for h in hashes]
-
-
-Call = Callable[[], dict[str, Any] | None]
-
-
-def _lookup(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg)
-    return lambda: {"s": "".join(_LOOKUP_CHAR[x.value] for x in served.store.lookup(g, h, rid))}
-
-
-def _prefix(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    h, rid = _hashes(msg), _request(conn, msg)
-
-    def call() -> dict[str, Any]:
-        res = served.store.lookup_prefix(h, rid)
-        return {"n": res.blocks, "s": res.state.value}
-    return call
-
-
-def _state(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    """The engine slot API's per-key lookup: each key's state, pinning it for the request, and
-    the slot of each READY one."""
-    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
-    assert rid is not None
-
-    def call() -> dict[str, Any]:
-        engine = served.store.engine
-        keys = _keys(g, h)
-        states = [engine.key_state(g, k, rid) for k in keys]
-        ready = [k for k, s in zip(keys, states, strict=True) if s is KeyState.READY]
-        at = dict(zip(ready, engine.ready_slots(g, ready), strict=True)) if ready else {}
-        return {"k": [s.value for s in states], "slots": [at.get(k) for k in keys]}
-    return call
-
-
-def _states(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg)
-    return lambda: {"k": [s.value for s in served.store.lookup_states(g, h, rid)]}
-
-
-def _clear(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    return lambda: {"n": served.store.engine.clear()}
-
-
-def _pin(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
-
-    def call() -> dict[str, Any]:
-        states = served.store.lookup(g, h, rid)
-        slots = served.store.engine.ready_slots(g, _keys(g, h))
-        return {"s": "".join(_LOOKUP_CHAR[x.value] for x in states), "slots": slots}
-    return call
-
-
-def _unpin(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
-    assert rid is not None
-
-    def call() -> dict[str, Any]:
-        served.store.engine.unpin(g, _keys(g, h), rid)
-        return {}
-    return call
-
-
-def _release(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    rid = _request(conn, msg, required=True)
-    assert rid is not None
-
-    def call() -> dict[str, Any]:
-        conn.requests.pop(rid, None)
-        served.store.release(rid)
-        return {}
-    return call
-
-
-def _reserve(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h = _group(msg), _hashes(msg)
-
-    def call() -> dict[str, Any]:
-        keys = _keys(g, h)
-        served.counts["puts"] += 1
-        got = served.store.engine.reserve(g, keys)
-        if got is None:
-            staging = served.staging
-            nbytes = len(keys) * served.store.layout.group(g).block_bytes
-            off = staging.take(nbytes) if staging is not None and msg.get("stage") is True else None
-            if off is None:
-                served.counts["put_blocks_dropped"] += len(keys)
-                return {"slots": None}
-            conn.staged[off] = nbytes
-            served.counts["puts"] -= 1  # the store counts the put it makes from staging
-            return {"slots": None, "stage": off}
-        mine = conn.reserved.setdefault(g, set())
-        mine.update(k for k, s in zip(keys, got.slots, strict=True) if s is not None)
-        if msg.get("ev") is True:  # the evicted keys, for engines that report them
-            return {"slots": got.slots, "ev": [k.hex() for k in got.evicted]}
-        return {"slots": got.slots}
-    return call
-
-
-def _commit(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    g, h, ok = _group(msg), _hashes(msg), msg.get("ok")
-    if type(ok) is not bool:
-        raise InvalidArgument("ok must be true or false")
-
-    def call() -> dict[str, Any]:
-        mine = conn.reserved.get(g, set())
-        keys = [k for k in _keys(g, h) if k in mine]  # only what this connection reserved
-        mine.difference_update(keys)
-        if keys:
-            served.store.engine.commit(g, keys, success=ok)
-        return {}
-    return call
-
-
-def _write(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    """Store blocks a client copied into its staging range (a put that found no room), then free it."""
-    g, h, off = _group(msg), _hashes(msg), msg.get("off")
-    if type(off) is not int:
-        raise InvalidArgument("off (a staging offset) must be an int")
-
-    def call() -> dict[str, Any]:
-        staging, nbytes = served.staging, conn.staged.get(off)
-        block_bytes = served.store.layout.group(g).block_bytes
-        if staging is None or nbytes is None or len(h) * block_bytes != nbytes:
-            raise InvalidArgument("off must name a staging range this connection holds, filled by the blocks")
-        del conn.staged[off]
-        try:
-            d._on_loop(served.store.put, g, h, staging.rows(off, len(h), block_bytes))
-        finally:
-            staging.give(off, nbytes)
-        return {}
-    return call
-
-
-def _stats(d: Daemon, conn: _Conn, served: _Served, msg: dict[str, Any]) -> Call:
-    def call() -> dict[str, Any]:
-        st = served.store.stats()
-        counts = served.counts
-        dropped = st.put_blocks_dropped + counts["put_blocks_dropped"]
-        st = st.model_copy(update={"puts": st.puts + counts["puts"], "put_blocks_dropped": dropped})
-        return {"stats": st.model_dump(mode="json")}
-    return call
-
-
-_HANDLERS: dict[str, Callable[[Daemon, _Conn, _Served, dict[str, Any]], Call]] = {
-    "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
-    "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": lambda *_: lambda: {},
-    "state": _state, "states": _states, "clear": _clear, "write": _write, "ping": lambda *_: lambda: {},
-}

@@ -23,8 +23,6 @@ import contextlib
 import threading
 from collections.abc import Callable
 
-import torch
-
 from tierkv.daemon.link import Link
 from tierkv.daemon.protocol import MAX_REQUEST_ID
 from tierkv.errors import InvalidArgument, TierUnavailable
@@ -131,10 +129,6 @@ class DaemonSlots:
         with contextlib.suppress(TierUnavailable):
             self._link.call({"op": "commit", "g": group, "h": [_hash(k, group) for k in keys], "ok": success,
                              "nr": True}, reply=False, retry=False)
-
-    def pool_rows(self) -> dict[int, torch.Tensor]:
-        """The daemon's pool rows as mapped now (empty while not connected)."""
-        return dict(self._link.pools)
 
     def clear(self) -> int:
         """Free every READY, unpinned slot of the daemon's store (every client's); how many."""
