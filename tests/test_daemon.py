@@ -423,7 +423,11 @@ def test_serve_refuses_a_bad_config_or_socket_path_in_one_line(tmp_path: Path) -
     good.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20}))
     tier = tmp_path / "tier.json"
     tier.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "tiers": [{"kind": "nope"}]}))
+    protocol = tmp_path / "protocol.json"  # refused at start, not when the first engine says hello
+    protocol.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"kind": "fsspec", "url": f"file://{tmp_path}/t"}, {"kind": "fsspec", "url": "nosuchfs://bucket/kv"}]}))
     cases = ((bad, tmp_path / "s", "cpu_bytes_to_use"), (tier, tmp_path / "s", "tiers.0"),
+             (protocol, tmp_path / "s", "tiers.1.url: no file system for nosuchfs:// URLs"),
              (good, tmp_path / "missing" / "s", "cannot listen"), (good, good, "not a socket"))
     for config, sock, says in cases:
         r = subprocess.run([sys.executable, "-m", "tierkv.cli", "serve", "--config", str(config), "--socket",

@@ -736,7 +736,7 @@ async def test_a_sole_writer_answers_absence_from_its_ledger_without_a_probe(tmp
     (a record another process wrote since is a missed hit), then it probes again. Default: probe."""
     ks = keys(6, salt=29)
     for n, (kw, after_listing) in enumerate([({}, [None] * 4), ({"sole_writer": True}, [False] * 4),
-                                             ({"listing_trusted_s": 0.3}, [False] * 4)]):
+                                             ({"listing_trusted_s": 2.0}, [False] * 4)]):
         url = f"file://{tmp_path}/{n}"
         writer = make_tier(url)
         await writer.open()
@@ -759,7 +759,7 @@ async def test_a_sole_writer_answers_absence_from_its_ledger_without_a_probe(tmp
                 await other.put(FULL, ks[4:5], rand_blocks(1, BB))
                 await other.close()
                 assert gw.presence(FULL, ks[4], time.monotonic()) is False  # a missed hit, for now
-                await anyio.sleep(0.35)
+                await anyio.sleep(2.05)
                 assert gw.presence(FULL, ks[4], time.monotonic()) is None  # probed again
                 await tier.scan()
                 assert gw.presence(FULL, ks[4], time.monotonic()) is True

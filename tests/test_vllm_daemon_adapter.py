@@ -26,12 +26,12 @@ LookupResult = base.LookupResult
 class DaemonEngine(Engine):
     """An engine whose kv_connector_extra_config names the daemon (no pool or tiers of its own)."""
 
-    def __init__(self, tmp_path: Path, sock: str, engine: str) -> None:
+    def __init__(self, tmp_path: Path, sock: str, engine: str, events: bool = False) -> None:
         os.makedirs(tmp_path / "shm", exist_ok=True)
         cfg = offloading_config(tmp_path, [(0, 16)], {}, engine)
         extra = {"daemon": sock, "shm_dir": str(tmp_path / "shm"), "manifest_timeout_s": 5.0,
                  "max_pending_s": 2.0}
-        self.cfg = dataclasses.replace(cfg, extra_config=extra, enable_kv_cache_events=False)
+        self.cfg = dataclasses.replace(cfg, extra_config=extra, enable_kv_cache_events=events)
         from tests.test_vllm_adapter import kv_caches
         from tierkv.adapters.vllm import TierKVOffloadingSpec
 
@@ -121,15 +121,67 @@ def test_an_engine_whose_daemon_is_not_there_serves_on_with_misses(tmp_path: Pat
         e.close()
 
 
-def test_a_daemon_engine_refuses_tiers_of_its_own_and_kv_events_in_one_clear_error(tmp_path: Path) -> None:
+def test_kv_cache_events_through_the_daemon_report_its_pool_and_tiers(daemon: Daemon, tmp_path: Path) -> None:
+    """With vLLM's KV cache events on, an engine on the daemon reports the blocks it stores, every
+    block that leaves the daemon's pool (whichever engine's store pushed it out: the pool is
+    theirs together), the daemon's file tier as local storage, and, after a daemon restart, its
+    blocks that were in the lost pool as removed."""
+    a = DaemonEngine(tmp_path / "a", daemon.socket, "engine-a", events=True)
+    b = DaemonEngine(tmp_path / "b", daemon.socket, "engine-b")
+    cpu, storage = base.Medium.CPU, base.Medium.STORAGE
+    seen: dict[tuple[Any, bool], list[bytes]] = {}
+
+    def take() -> None:
+        for ev in a.manager.take_events():
+            if ev.medium is storage:
+                assert ev.locality is base.Locality.LOCAL
+            seen.setdefault((ev.medium, ev.removed), []).extend(bytes(k) for k in ev.keys)
+
+    try:
+        mine = [key(i, 0) for i in range(4)]
+        a.store(mine, [1, 2, 3, 4], [4], ctx("a1"))
+        evicted: list[bytes] = []
+        for r in range(64):  # engine b stores until a's blocks are all pushed out
+            theirs = [key(100 + 4 * r + i, 0) for i in range(4)]
+            out = b.store(theirs, [5, 6, 7, 8], [4], ctx(f"b{r}"))
+            if out is not None:
+                evicted += [bytes(k) for k in out.evicted_keys]
+            if set(mine) <= set(evicted):
+                break
+            time.sleep(0.05)  # the daemon writes blocks down before they may go
+        assert set(mine) <= set(evicted)
+        deadline = time.monotonic() + 30
+        while sorted(seen.get((cpu, True), [])) != sorted(evicted):
+            assert time.monotonic() < deadline, (len(seen.get((cpu, True), [])), len(evicted))
+            time.sleep(0.05)
+            take()
+        assert seen[(cpu, False)] == mine
+        while not set(mine) <= set(seen.get((storage, False), [])):
+            assert time.monotonic() < deadline, "the daemon's tier writes were never reported"
+            take()
+            time.sleep(0.05)
+
+        again = [key(i, 0) for i in range(200, 202)]
+        a.store(again, [5, 6], [2], ctx("a2"))
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        daemon.proc.wait()
+        daemon.start()
+        while not set(again) <= set(seen[(cpu, True)]):
+            assert time.monotonic() < deadline, "the blocks lost with the daemon's pool were never reported"
+            take()
+            time.sleep(0.05)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_daemon_engine_refuses_tiers_of_its_own_in_one_clear_error(tmp_path: Path) -> None:
     from tierkv.adapters.vllm import TierKVOffloadingSpec
 
     cfg = offloading_config(tmp_path, [(0, 16)], {"daemon": "/nonexistent.sock"}, "engine-x")
     with pytest.raises(ConfigError, match="the lower tiers are the daemon's"):
         TierKVOffloadingSpec(cfg)
-    events = dataclasses.replace(cfg, extra_config={"daemon": "/nonexistent.sock"})
-    with pytest.raises(ConfigError, match="KV cache events are not available through the tierkv daemon"):
-        TierKVOffloadingSpec(events)
     no_pool = dataclasses.replace(cfg, extra_config={}, enable_kv_cache_events=False)
     with pytest.raises(ConfigError, match="cpu_bytes_to_use is required"):
         TierKVOffloadingSpec(no_pool)

@@ -14,11 +14,12 @@ store).
   :func:`release_shared` (memory the engine owns, registered for the tier's reader processes);
 - a ``tierkv serve`` daemon's pool, for an engine's processes that copy into its rows:
   :class:`DaemonLink` (a connection that maps it; ``rows_of(pool_id)``), :func:`daemon_pool_rows`
-  (the rows of a pool id some link of this process mapped);
+  (the rows of a pool id some link of this process mapped), :class:`DaemonStore` (a store the
+  daemon serves: ``lower_tiers_local`` says where its lower tiers keep their data);
 - copies between an engine's device tensors and pool rows: :class:`DeviceTransfer`, :class:`Copy`;
 - a lower tier driven without a store (vLLM's secondary tier): :class:`TierGateway`,
   :class:`FsspecTier`, :class:`FsspecTierConfig`, :class:`TierContext`, :func:`redact_url`,
-  :func:`is_local_url`;
+  :func:`is_local_url`, :func:`tier_is_local`;
 - settings and metrics in the engine's own terms: :class:`StrictNumbers`, :data:`Bytes`,
   :data:`Count`, :data:`Seconds`, :data:`TokenRate`, :data:`MAX_WAIT_S`,
   :data:`MAX_RATE_TOKENS_S`, :func:`format_validation_error`; :class:`Metric`,
@@ -35,11 +36,13 @@ from tierkv._lazy import lazy
 if TYPE_CHECKING:
     from tierkv.backends.base import TierContext
     from tierkv.backends.fsspec import FsspecTier, FsspecTierConfig, is_local_url, redact_url
+    from tierkv.backends.fsspec._open import tier_is_local
     from tierkv.blocks.pool import shared_pool_tensors
     from tierkv.blocks.sharedmem import adopt as adopt_shared
     from tierkv.blocks.sharedmem import release as release_shared
     from tierkv.bridge import ENGINE_SWITCH_INTERVAL_S, LoopThread, cap_switch_interval
     from tierkv.config import format_validation_error
+    from tierkv.daemon.client import DaemonStore
     from tierkv.daemon.link import Link as DaemonLink
     from tierkv.daemon.link import mapped_pools as daemon_pool_rows
     from tierkv.keys import GROUP_BYTES
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
 
 _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("tierkv.backends.base", n) for n in ["TierContext"]},
-    **{n: ("tierkv.backends.fsspec._open", n) for n in ["is_local_url"]},
+    **{n: ("tierkv.backends.fsspec._open", n) for n in ["is_local_url", "tier_is_local"]},
     **{n: ("tierkv.backends.fsspec", n) for n in ["FsspecTier", "FsspecTierConfig", "redact_url"]},
     **{n: ("tierkv.bridge", n) for n in ["ENGINE_SWITCH_INTERVAL_S", "LoopThread", "cap_switch_interval"]},
     **{n: ("tierkv.config", n) for n in ["format_validation_error"]},
@@ -87,6 +90,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "adopt_shared": ("tierkv.blocks.sharedmem", "adopt"),
     "release_shared": ("tierkv.blocks.sharedmem", "release"),
     "DaemonLink": ("tierkv.daemon.link", "Link"),
+    "DaemonStore": ("tierkv.daemon.client", "DaemonStore"),
     "daemon_pool_rows": ("tierkv.daemon.link", "mapped_pools"),
     **{n: ("tierkv.transfer", n) for n in ["Copy", "DeviceTransfer"]},
 }
@@ -97,6 +101,7 @@ __all__ = [
     "Copy",
     "Count",
     "DaemonLink",
+    "DaemonStore",
     "DeviceTransfer",
     "ENGINE_SWITCH_INTERVAL_S",
     "EngineSlots",
@@ -123,6 +128,7 @@ __all__ = [
     "cap_switch_interval",
     "format_validation_error",
     "is_local_url",
+    "tier_is_local",
     "redact_url",
     "release_shared",
     "samples",

@@ -31,8 +31,9 @@ from tierkv.blocks.pool import PoolPlan
 from tierkv.config import StoreConfig
 from tierkv.daemon.link import Link
 from tierkv.daemon.slots import DaemonSlots, user_request
+from tierkv.daemon.subscription import Subscription
 from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed, TierUnavailable
-from tierkv.keys import check_hashes
+from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
 from tierkv.observing.metrics import StoreStats
 from tierkv.store import TieredStore
@@ -72,6 +73,10 @@ class DaemonStore(TieredStore):
         self._ids = itertools.count(1)
         self._local = {"put_blocks_dropped": 0, "lookups_unreachable": 0}
         self._slots = DaemonSlots(self._link)
+        self._feeds: list[Subscription] = []
+        #: whether each of the daemon's lower tiers (1 first) keeps its data on this machine, as
+        #: the daemon said when a tier event subscription last attached (empty before)
+        self.lower_tiers_local: list[bool] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -97,6 +102,10 @@ class DaemonStore(TieredStore):
         """Hang up: the daemon drops this store's pins and unfinished puts."""
         self._open = False
         self._link.close()
+        self._slots.close()
+        for feed in self._feeds:
+            feed.close()
+        self._feeds.clear()
 
     def _check_open(self) -> None:
         if not self._open:
@@ -167,6 +176,9 @@ class DaemonStore(TieredStore):
             ok = self._send_quietly({"op": "commit", **msg, "ok": ok, "nr": True}, gen) and ok
             if not ok:
                 self._local["put_blocks_dropped"] += len(rows)
+        if ok:
+            tail = group.to_bytes(GROUP_BYTES, "big")
+            self._slots.committed(group, [hs[i] + tail for i in rows])
 
     def _write_staged(self, msg: dict[str, Any], off: int, src: torch.Tensor, block_bytes: int,
                       gen: int) -> None:
@@ -318,8 +330,29 @@ class DaemonStore(TieredStore):
 
     # ---- state ----------------------------------------------------------------------------------
     def subscribe_tier_events(self, listener: Callable[[int, str, list[bytes]], None]) -> None:
-        """Not available through the daemon."""
-        raise InvalidArgument("tier events are not available through the tierkv daemon")
+        """Call ``listener(tier_index, "stored" | "removed", keys)`` as blocks appear in or leave
+        the daemon's lower tiers (every client's blocks: the tiers are the daemon's), on a thread of
+        this store's subscription, in place when this returns while the daemon is reachable. Events
+        while the daemon is away are not replayed."""
+        self._check_open()
+
+        def attached(instance: str, answer: dict[str, Any]) -> None:
+            local = answer.get("local")
+            if isinstance(local, list):
+                self.lower_tiers_local = [bool(x) for x in local]
+
+        def frame(msg: dict[str, Any]) -> None:
+            event, tier = msg.get("e"), msg.get("t")
+            if event not in ("stored", "removed") or type(tier) is not int:
+                return
+            try:
+                listener(tier, event, [bytes.fromhex(k) for k in msg.get("k", [])])
+            except Exception:
+                log.exception("a tier event listener failed")
+        feed = Subscription(self._link.path, self._link.hello, "tier", self._timeout, attached, frame)
+        self._feeds.append(feed)
+        if self._link.connected:
+            feed.attached.wait(self._timeout)
 
     def latency_observations(self) -> list[tuple[Any, tuple[str, ...], list[float]]]:
         """None in this process: the daemon's store observes them."""

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from tierkv.backends.fsspec._open import protocol_problem
 from tierkv.config import StoreConfig, read_config_file
 from tierkv.errors import ConfigError, format_validation_error
 from tierkv.layout import Layout
@@ -66,6 +67,12 @@ class DaemonConfig(StrictNumbers):
         except ConfigError as exc:  # the file's tiers.0 is the store's tiers.1 (0 is the pool)
             why = re.sub(r"\btiers\.(\d+)", lambda m: f"tiers.{int(m.group(1)) - 1}", str(exc))
             raise ConfigError(why.replace("invalid store config", "invalid daemon config", 1)) from None
+        for i, tier in enumerate(self.tiers):  # found now, not when the first engine says hello
+            inner = tier.get("inner")
+            url = tier.get("url") or (inner.get("url") if isinstance(inner, dict) else None)
+            problem = protocol_problem(url) if isinstance(url, str) else ""
+            if problem:
+                raise ConfigError(f"invalid daemon config: tiers.{i}.url: {problem}")
 
     @field_validator("socket_mode", mode="before")
     @classmethod

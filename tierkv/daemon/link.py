@@ -71,7 +71,7 @@ class Link:
     def __init__(self, path: str, namespace: str, layout: Layout, timeout_s: float) -> None:
         self.path = path
         self.timeout_s = timeout_s
-        self._hello = {"op": "hello", "version": VERSION, "namespace": namespace,
+        self.hello = {"op": "hello", "version": VERSION, "namespace": namespace,
                        "layout": layout.model_dump(mode="json")}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -167,7 +167,7 @@ class Link:
         try:
             sock.settimeout(self.timeout_s)
             sock.connect(self.path)
-            send_message(sock, self._hello)
+            send_message(sock, self.hello)
             answer = recv_message(sock)
         except (OSError, TierUnavailable) as exc:
             sock.close()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.daemon.feed import Feed
 from tierkv.daemon.protocol import MAX_REQUEST_ID
 from tierkv.daemon.staging import Staging
 from tierkv.errors import InvalidArgument, TierKVError
@@ -34,6 +35,7 @@ class Served:
     shm_path: str
     pools: list[list[int]]  # [group, offset, slots, block_bytes]
     staging: Staging | None = None
+    feed: Feed | None = None  # its events, for the connections that subscribe
     counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
 
 
@@ -255,7 +257,9 @@ def _stats(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> 
         st = served.store.stats()
         counts = served.counts
         dropped = st.put_blocks_dropped + counts["put_blocks_dropped"]
-        st = st.model_copy(update={"puts": st.puts + counts["puts"], "put_blocks_dropped": dropped})
+        events_dropped = st.events_dropped + (served.feed.dropped if served.feed is not None else 0)
+        st = st.model_copy(update={"puts": st.puts + counts["puts"], "put_blocks_dropped": dropped,
+                                   "events_dropped": events_dropped})
         return {"stats": st.model_dump(mode="json")}
     return call
 

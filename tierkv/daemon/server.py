@@ -10,7 +10,8 @@ the client copies rows itself:
 
 What a connection holds is its own: request ids are scoped to it, and ``drop_grace_s`` after it
 drops (closed, killed) its pins are released and its reservations abandoned (freed, never READY).
-The operations themselves are :mod:`tierkv.daemon.ops`. A message that
+The operations themselves are :mod:`tierkv.daemon.ops`; a connection that subscribes to events
+gets them from :mod:`tierkv.daemon.feed` and sends nothing more. A message that
 is not valid (not a frame, over the size limit, not JSON, an unknown operation, a field of the wrong
 type, a namespace the daemon does not serve) gets an error and the connection is closed; errors a
 store raises for a valid message are answered and the connection stays.
@@ -36,6 +37,7 @@ import anyio
 import anyio.abc
 
 from tierkv.daemon.config import DaemonConfig
+from tierkv.daemon.feed import Feed
 from tierkv.daemon.ops import HANDLERS, Conn, Served, let_go
 from tierkv.daemon.protocol import VERSION, recv_message, send_message
 from tierkv.daemon.staging import Staging
@@ -149,6 +151,9 @@ class Daemon:
                     msg = recv_message(sock)
                 except TierUnavailable:  # the client hung up
                     return
+                if msg.get("op") == "subscribe" and conn.served is not None and conn.served.feed is not None:
+                    conn.served.feed.serve(sock, msg)  # from now on, the connection only receives events
+                    return
                 reply = self._handle(conn, msg)
                 if reply is not None:
                     send_message(sock, reply)
@@ -261,7 +266,7 @@ class Daemon:
             staging = None
             if self.config.staging_bytes:
                 staging = Staging(f"{shm_path}.staging", self.config.staging_bytes)
-            served = Served(store, shm_path, pools, staging)
+            served = Served(store, shm_path, pools, staging, Feed(store))
             self._stores[fingerprint] = served
             self._opened += 1
             log.info("serving namespace %r, layout %s, pool %s%s", namespace, fingerprint, shm_path,

@@ -15,22 +15,33 @@ maps. What a daemon restart must not break:
 
 While the daemon cannot be reached, ``key_state`` is MISS, ``reserve`` None (the store is skipped)
 and ``unpin``, ``commit`` and ``clear`` do nothing.
+
+Eviction events (:meth:`DaemonSlots.subscribe_evictions`) are the daemon pool's: every key that
+leaves it, whichever client stored it. A daemon that restarts starts with an empty pool; the keys
+this client committed that had not been reported evicted are then reported evicted, once the
+subscription reaches the new daemon.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from tierkv.daemon.link import Link
 from tierkv.daemon.protocol import MAX_REQUEST_ID
+from tierkv.daemon.subscription import Subscription
 from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.keys import GROUP_BYTES
 from tierkv.movement.engine import Reservation
 from tierkv.movement.lookup import KeyState
 
 __all__ = ["DaemonSlots", "user_request"]
+
+log = logging.getLogger("tierkv.daemon")
+EvictionListener = Callable[[int, list[bytes]], None]
 
 
 def user_request(request_id: object) -> str:
@@ -50,10 +61,88 @@ class DaemonSlots:
         self._lock = threading.Lock()
         #: request id -> (pool id, {(group, key): slot}) of its READY answers not unpinned yet
         self._held: dict[str, tuple[str, dict[tuple[int, bytes], int]]] = {}
+        self._listeners: list[EvictionListener] = []
+        self._feed: Subscription | None = None
+        #: while someone listens: each group's keys this client committed and not seen evicted
+        #: (insertion order; never more than the group's pool slots), and the daemon they are in
+        self._mine: dict[int, dict[bytes, None]] = {}
+        self._slots: dict[int, int] = {}
+        self._instance: str | None = None
 
-    def subscribe_evictions(self, listener: Callable[[int, list[bytes]], None]) -> Callable[[], None]:
-        """Not available through the daemon."""
-        raise InvalidArgument("eviction events are not available through the tierkv daemon")
+    def subscribe_evictions(self, listener: EvictionListener) -> Callable[[], None]:
+        """Call ``listener(group, keys)`` whenever keys leave the daemon's pool (see the module
+        docstring); returns an unsubscribe. The listener runs on the subscription's thread; while the
+        daemon is reachable, the subscription is in place when this returns."""
+        with self._lock:
+            self._listeners.append(listener)
+            feed = self._feed
+            if feed is None:
+                feed = self._feed = Subscription(self._link.path, self._link.hello, "evictions",
+                                                 self._link.timeout_s, self._attached, self._frame)
+        if self._link.connected:  # events from the return on are heard (a daemon away: none to hear)
+            feed.attached.wait(self._link.timeout_s)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+        return unsubscribe
+
+    def _attached(self, instance: str, answer: dict[str, Any]) -> None:
+        slots = answer.get("slots")
+        with self._lock:
+            self._slots = {int(g): int(n) for g, n in slots.items()} if isinstance(slots, dict) else {}
+            gone = self._mine if self._instance is not None and instance != self._instance else {}
+            if gone:
+                self._mine = {}
+            self._instance = instance
+        for group, keys in gone.items():  # the daemon restarted: its pool, and these keys, are gone
+            if keys:
+                self._tell(group, list(keys))
+
+    def _frame(self, msg: dict[str, Any]) -> None:
+        if msg.get("e") != "evicted" or type(msg.get("g")) is not int:
+            return
+        group, keys = msg["g"], [bytes.fromhex(k) for k in msg.get("k", [])]
+        with self._lock:
+            mine = self._mine.get(group)
+            if mine:
+                for k in keys:
+                    mine.pop(k, None)
+        self._tell(group, keys)
+
+    def _tell(self, group: int, keys: list[bytes]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(group, keys)
+            except Exception:
+                log.exception("an eviction listener failed")
+
+    def committed(self, group: int, keys: list[bytes]) -> None:
+        """Keys this client made READY in the daemon's pool (remembered while someone listens, so a
+        daemon restart reports them evicted)."""
+        overflow: list[bytes] = []
+        with self._lock:
+            if self._feed is None:
+                return
+            mine = self._mine.setdefault(group, {})
+            mine.update(dict.fromkeys(keys))
+            room = self._slots.get(group)
+            while room is not None and len(mine) > room:  # a pool holds no more: the oldest left it
+                old = next(iter(mine))
+                del mine[old]
+                overflow.append(old)
+        if overflow:
+            self._tell(group, overflow)
+
+    def close(self) -> None:
+        """Stop the eviction subscription."""
+        with self._lock:
+            feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
 
     def key_state(self, group: int, key: bytes, request_id: str) -> KeyState:
         """The key's state, pinning it for the request (see the module docstring)."""
@@ -126,9 +215,13 @@ class DaemonSlots:
     def commit(self, group: int, keys: list[bytes], success: bool = True) -> None:
         """Complete reserved keys (on the connection that reserved them; otherwise the daemon has
         let them go already and nothing happens)."""
-        with contextlib.suppress(TierUnavailable):
+        try:
             self._link.call({"op": "commit", "g": group, "h": [_hash(k, group) for k in keys], "ok": success,
                              "nr": True}, reply=False, retry=False)
+        except TierUnavailable:
+            return
+        if success:
+            self.committed(group, keys)
 
     def clear(self) -> int:
         """Free every READY, unpinned slot of the daemon's store (every client's); how many."""

@@ -37,12 +37,13 @@ from tierkv.adapter import (
     GROUP_BYTES,
     LATENCY_BUCKETS,
     MAX_RATE_TOKENS_S,
+    DaemonStore,
     EngineSlots,
     KeyState,
     LoopThread,
     Metric,
-    is_local_url,
     samples,
+    tier_is_local,
 )
 
 __all__ = ["STATS_INTERVAL_S", "RateMeter", "TierKVLoadStoreSpec", "TierKVOffloadingManager",
@@ -107,12 +108,6 @@ class CounterDeltas:
             for v in values:
                 stats.observe_histogram(m.full_name, v, labels)
         return None if stats.is_empty() else stats
-
-
-def _is_local(tier: dict[str, Any]) -> bool:
-    """Whether a lower tier's storage is this machine's (a path or file:// URL), else remote."""
-    url = str(tier.get("url") or tier.get("inner", {}).get("url") or "")
-    return tier.get("kind") in ("memory", "cpu") or is_local_url(url)
 
 
 #: stores being timed at most (beyond, those older than OPEN_MAX_S are dropped)
@@ -228,13 +223,15 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._rate = RateMeter(self.layout.tokens_per_block) if measure_recompute else None
         if enable_events:
             self.engine.subscribe_evictions(self._on_evict)
-            self._localities = {i: Locality.LOCAL if _is_local(t) else Locality.REMOTE
-                                for i, t in enumerate(store_config["tiers"][1:], start=1)}
+            self._local = [tier_is_local(t) for t in store_config.get("tiers", [])[1:]]
             self.store.subscribe_tier_events(self._on_tier_event)
 
     def _on_tier_event(self, tier: int, event: str, keys: list[bytes]) -> None:
+        # through the daemon, its tiers: where they keep their data is the daemon's to say
+        local = self.store.lower_tiers_local if isinstance(self.store, DaemonStore) else self._local
+        locality = None if tier > len(local) else Locality.LOCAL if local[tier - 1] else Locality.REMOTE
         ev = OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=Medium.STORAGE,
-                             removed=event == "removed", locality=self._localities.get(tier))
+                             removed=event == "removed", locality=locality)
         with self._events_lock:
             self._events.append(ev)
 

@@ -83,10 +83,6 @@ class TierKVOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
         self.volatile_hashes = check_hashes(hash_algo(self._vllm_config),
                                             persistent_tiers(self.settings.tiers) + shared,
                                             "kv_connector_extra_config.tiers")
-        if self.settings.daemon and config.enable_kv_cache_events:
-            raise ConfigError("kv_connector_extra_config.daemon: KV cache events are not available through "
-                              "the tierkv daemon (its pool's evictions are not reported to engines); turn "
-                              "events off or leave 'daemon' out")
         #: the attention backends the worker's model uses, from its manifest (scheduler side)
         self._backends: str | None = None
         self._namespace: str | None = None

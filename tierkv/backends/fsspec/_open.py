@@ -3,6 +3,7 @@ protocol (local os calls, a synchronous or an asynchronous file system) and S3's
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 from typing import Any
@@ -18,7 +19,7 @@ from tierkv.backends.fsspec._remote import AsyncDriver, RetryPolicy, SyncDriver
 from tierkv.errors import BackendNotFound, ConfigError, install_hint
 
 __all__ = ["S3_FAIL_FAST", "default_io_depth", "default_io_threads", "default_read_processes", "is_local_url",
-           "open_driver", "url_problem"]
+           "open_driver", "protocol_problem", "tier_is_local", "url_problem"]
 
 #: the extra to install for a protocol fsspec cannot load
 EXTRA_FOR_PROTOCOL = {"s3": "s3", "s3a": "s3"}
@@ -114,6 +115,37 @@ def is_local_url(url: str) -> bool:
     return (urlsplit(url).scheme or "file") in ("file", "local")
 
 
+def _no_file_system(protocol: str, exc: BaseException) -> str:
+    extra = EXTRA_FOR_PROTOCOL.get(protocol)
+    hint = f"; install it with: {install_hint(extra)}" if extra else ""
+    return f"no file system for {protocol}:// URLs ({exc}){hint}"
+
+
+def protocol_problem(url: str) -> str:
+    """Why no file system here serves ``url``'s protocol ('' when one does: a local path, an
+    fsspec protocol whose package is installed, ``s3://`` through obstore or s3fs)."""
+    protocol = urlsplit(url).scheme or "file"
+    if protocol in ("file", "local"):
+        return ""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        if protocol in ("s3", "s3a") and importlib.util.find_spec("obstore") is not None:
+            return ""
+        return _no_file_system(protocol, exc)
+    return ""
+
+
+def tier_is_local(tier: dict[str, Any]) -> bool:
+    """Whether a lower tier's config (a mapping with ``kind`` and a ``url``, or an ``inner`` tier
+    with one) keeps its data on this machine: memory, a plain path, ``file://``."""
+    inner = tier.get("inner")
+    url = str(tier.get("url") or (inner.get("url") if isinstance(inner, dict) else "") or "")
+    return tier.get("kind") in ("memory", "cpu") or is_local_url(url)
+
+
 def default_io_threads() -> int:
     """``io_threads`` (local paths) when not set: the CPU count, 2 to 8."""
     return max(2, min(8, os.cpu_count() or 2))
@@ -178,9 +210,7 @@ def open_driver(url: str, storage_options: dict[str, Any], limiter: anyio.Capaci
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
-        extra = EXTRA_FOR_PROTOCOL.get(protocol)
-        hint = f"; install it with: {install_hint(extra)}" if extra else ""
-        missing = BackendNotFound(f"no file system for {protocol}:// URLs ({exc}){hint}")
+        missing = BackendNotFound(_no_file_system(protocol, exc))
         if not s3:
             raise missing from None
         obs = open_obstore(_bucket(url), storage_options, limiter, retry, s3_client, s3fs_missing=True)
