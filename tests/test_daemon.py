@@ -94,7 +94,7 @@ async def main():
         hs = hashes(n, doc)
         await s.put(0, hs, blocks(n, layout.groups[0].block_bytes, seed=doc))
         if pin:
-            assert s.lookup(0, hs, request_id="r") == [s.lookup(0, hs[:1])[0]] * n
+            assert len(set(s.lookup(0, hs, request_id="r"))) == 1
         print(s.stats().put_blocks_dropped, flush=True)
         if pin:
             time.sleep(600)
@@ -229,19 +229,24 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
         assert store.lookup(0, half) == [Lookup.HIT] * 2
 
 
-async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize("per", [1, 2], ids=["blocks", "records-of-2"])
+async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier(tmp_path: Path, per: int) -> None:
     """As in-process: blocks that find no free or evictable slot go to the lower tiers (copied
-    through the daemon's staging file, never the socket); without staging they are dropped, counted."""
+    through the daemon's staging file, never the socket); without staging they are dropped, counted
+    (records, with several blocks to one)."""
+    layout = BIG if per == 1 else Layout(tokens_per_block=8, blocks_per_record=per,
+                                         groups=[GroupSpec(kind="full", block_bytes=131072 // per)])
+    n = BIG_SLOTS * per  # blocks that fill the pool's 8 slots
     for staging, direct in ((64 << 20, BIG_SLOTS), (0, 0)):
         (tmp_path / str(staging)).mkdir()
         d = Daemon(tmp_path / str(staging), staging_bytes=staging,
                    tiers=[{"kind": "fsspec", "url": f"file://{tmp_path}/tier{staging}"}]).start()
         try:
-            holder = client(d, BIG, BIG_SLOTS, doc=4, pin=True)
+            holder = client(d, layout, n, doc=4, pin=True)
             assert holder.stdout is not None
             assert holder.stdout.readline().strip() == "0"  # every slot pinned
-            async with d.store(BIG) as store:
-                data, new = blocks(BIG_SLOTS, 131072, seed=5), hashes(BIG_SLOTS, 5)
+            async with d.store(layout) as store:
+                data, new = blocks(n, 131072 // per, seed=5), hashes(n, 5)
                 await store.put(0, new, data)
                 st = store.stats()
                 assert st.put_blocks_direct == direct and st.put_blocks_dropped == BIG_SLOTS - direct
@@ -250,7 +255,7 @@ async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier
                 if direct:
                     await store.flush()
                     deadline = time.monotonic() + 30
-                    while store.lookup(0, new, request_id="r") != [Lookup.HIT] * BIG_SLOTS:
+                    while store.lookup(0, new, request_id="r") != [Lookup.HIT] * n:
                         assert time.monotonic() < deadline, "the blocks never came back from the tier"
                         time.sleep(0.05)
                     got = torch.zeros_like(data)
@@ -466,12 +471,52 @@ async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_
                 pass
 
 
-def test_a_layout_of_several_blocks_to_a_record_is_refused_in_one_clear_error(tmp_path: Path) -> None:
-    from tierkv import ConfigError
-
-    chunked = Layout(tokens_per_block=16, blocks_per_record=2, groups=[{"kind": "full", "block_bytes": 4096}])
-    with pytest.raises(ConfigError, match="blocks_per_record"):
-        TieredStore({"layout": chunked, "daemon": str(tmp_path / "d.sock")})
+async def test_several_blocks_to_a_record_answer_as_in_process_and_share_the_records(tmp_path: Path) -> None:
+    """``blocks_per_record = 4`` through the daemon: the same answers, errors and records on disk as
+    an in-process store, which reads the daemon's records (and the daemon, after a restart, too)."""
+    chunked = Layout(tokens_per_block=16, blocks_per_record=4, groups=[
+        GroupSpec(kind="full", block_bytes=1024), GroupSpec(kind="scratch", block_bytes=64),
+        GroupSpec(kind="full", block_bytes=2048)])
+    tier = {"kind": "fsspec", "url": f"file://{tmp_path}/tier"}
+    hs, data = hashes(10, 9), {0: blocks(10, 1024, seed=1), 2: blocks(10, 2048, seed=2)}
+    d = Daemon(tmp_path, tiers=[tier]).start()
+    try:
+        async with d.store(chunked, namespace="c") as store:
+            for g, rows in data.items():
+                await store.put(g, hs, rows)
+            await store.flush()
+            assert len(list((tmp_path / "tier").rglob("*.tkv"))) == 2 * 2  # a trailing 2 blocks: no record
+            assert store.lookup(0, hs) == [Lookup.HIT] * 8 + [Lookup.MISS] * 2
+            ans = store.lookup_prefix(hs)
+            assert (ans.blocks, ans.state) == (8, Lookup.HIT)
+            for g, rows in data.items():
+                out = torch.zeros(4, rows.shape[1], dtype=torch.uint8)
+                await store.get(g, hs[4:8], out, request_id="r")
+                assert torch.equal(out, rows[4:8])
+            with pytest.raises(InvalidArgument, match="multiple of 4 hashes"):
+                await store.get(0, hs[:6], torch.zeros(6, 1024, dtype=torch.uint8))
+            with pytest.raises(BlockMissing):
+                await store.get(0, hs[2:6], torch.zeros(4, 1024, dtype=torch.uint8))  # inside a record
+            assert d.proc is not None
+            d.proc.kill()
+            d.proc.wait()
+            d.start()
+            deadline = time.monotonic() + 30
+            while (ans := store.lookup_prefix(hs, request_id="again")).state is not Lookup.HIT:
+                assert time.monotonic() < deadline, f"the records never came back from the tier: {ans}"
+                time.sleep(0.05)
+            assert ans.blocks == 8
+            out = torch.zeros(8, 2048, dtype=torch.uint8)
+            await store.get(2, hs[:8], out, request_id="again")
+            assert torch.equal(out, data[2][:8])
+        async with TieredStore({"layout": chunked, "namespace": "c",
+                                "tiers": [{"kind": "cpu", "capacity_bytes": 1 << 20}, tier]}) as alone:
+            out = torch.zeros(8, 1024, dtype=torch.uint8)
+            await alone.get(0, hs[:8], out)  # the daemon's records, read in-process
+            assert torch.equal(out, data[0][:8])
+    finally:
+        rc, err = d.stop()
+    assert rc == 0, err
 
 
 async def test_prefix_lookups_follow_the_hybrid_rules_as_in_process(daemon: Daemon) -> None:

@@ -32,12 +32,13 @@ from tierkv.config import StoreConfig
 from tierkv.daemon.link import Link
 from tierkv.daemon.slots import DaemonSlots, user_request
 from tierkv.daemon.subscription import Subscription
-from tierkv.errors import BlockMissing, ConfigError, InvalidArgument, StoreClosed, TierUnavailable
+from tierkv.errors import BlockMissing, InvalidArgument, StoreClosed, TierUnavailable
 from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
 from tierkv.observing.metrics import StoreStats
 from tierkv.store import TieredStore
-from tierkv.tensors import byte_rows, contiguous_run, scatter_rows, wide_view
+from tierkv.tensors import contiguous_run, scatter_rows, wide_view
+from tierkv.units import RecordUnits
 
 __all__ = ["DaemonStore"]
 
@@ -62,9 +63,7 @@ class DaemonStore(TieredStore):
         if self.config.daemon is None:
             raise InvalidArgument("DaemonStore needs a config with 'daemon' (the daemon's socket path)")
         self.layout = self.config.layout
-        if self.layout.blocks_per_record != 1:
-            raise ConfigError("daemon: layouts with blocks_per_record > 1 are not served through the tierkv "
-                              "daemon yet; use an in-process store (leave 'daemon' out)")
+        self._units = RecordUnits(self.layout)
         self.fingerprint = self.config.fingerprint
         pending = self.config.max_pending_s
         self._timeout = min(CALL_TIMEOUT_S, pending) if pending is not None else CALL_TIMEOUT_S
@@ -133,6 +132,11 @@ class DaemonStore(TieredStore):
         self._check_open()
         return self._slots
 
+    def _record_keys(self, group: int, hashes: Sequence[bytes], whole: str = "") -> tuple[list[bytes], int]:
+        """The keys of the whole records ``hashes`` covers and its number of blocks (checked)."""
+        self._rows(group, ())
+        return self._units.keys(group, hashes, whole)
+
     def _rows(self, group: int, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Checked hashes and the group's block bytes."""
         self._check_open()
@@ -145,21 +149,27 @@ class DaemonStore(TieredStore):
     # ---- put ------------------------------------------------------------------------------------
     async def put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
         """Store ``blocks[i]`` as block ``hashes[i]`` of ``group`` in the daemon's pool; dropped and
-        counted (``put_blocks_dropped``) when the daemon is not reachable or has no room."""
-        hs, block_bytes = self._rows(group, hashes)
-        src = byte_rows(blocks, len(hs), block_bytes, "blocks", _CPU)
-        if not hs:
+        counted (``put_blocks_dropped``) when the daemon is not reachable or has no room. With
+        several blocks to a record, as :meth:`TieredStore.put` (whole records only)."""
+        keys, n = self._record_keys(group, hashes)
+        src = self._units.rows(blocks, group, n, len(keys), "blocks", _CPU)
+        if not keys:
             return
-        msg = {"g": group, "h": [h.hex() for h in hs]}
+        # the pool and the slot API name records; a staged write names the blocks (the store's put)
+        msg = {"g": group, "h": [k[:-GROUP_BYTES].hex() for k in keys]}
         try:
             answer, gen = self._link.call({"op": "reserve", **msg, "stage": True})
         except TierUnavailable:
-            self._local["put_blocks_dropped"] += len(hs)
+            self._local["put_blocks_dropped"] += len(keys)
             return
         slots = answer.get("slots")
         if slots is None:
             if "stage" in answer:
-                self._write_staged(msg, int(answer["stage"]), src, block_bytes, gen)
+                blocks_of = check_hashes(hashes)[:len(keys) * self._units.per]
+                whole = {"g": group, "h": [h.hex() for h in blocks_of]}
+                block_bytes = self.layout.group(group).block_bytes
+                rows_of = self._units.block_rows(src, group)
+                self._write_staged(whole, int(answer["stage"]), rows_of, block_bytes, gen)
             return  # otherwise no room anywhere: the daemon counted them
         rows = [i for i, s in enumerate(slots) if s is not None]
         if not rows:
@@ -169,7 +179,7 @@ class DaemonStore(TieredStore):
             at = self._link.attached(gen)
             pool = at.pools.get(group) if at is not None else None
             if pool is not None:
-                data = src if len(rows) == len(hs) else src.index_select(0, torch.tensor(rows))
+                data = src if len(rows) == len(keys) else src.index_select(0, torch.tensor(rows))
                 scatter_rows(pool, [slots[i] for i in rows], data)
                 ok = True
         finally:
@@ -177,8 +187,7 @@ class DaemonStore(TieredStore):
             if not ok:
                 self._local["put_blocks_dropped"] += len(rows)
         if ok:
-            tail = group.to_bytes(GROUP_BYTES, "big")
-            self._slots.committed(group, [hs[i] + tail for i in rows])
+            self._slots.committed(group, [keys[i] for i in rows])
 
     def _write_staged(self, msg: dict[str, Any], off: int, src: torch.Tensor, block_bytes: int,
                       gen: int) -> None:
@@ -263,14 +272,17 @@ class DaemonStore(TieredStore):
         """Copy blocks into the rows of ``out`` (a CPU tensor), waiting for PENDING ones.
 
         Raises :class:`BlockMissing` naming the blocks no tier holds, or all of them when the
-        daemon is not reachable (or went away while they were copied).
+        daemon is not reachable (or went away while they were copied). With several blocks to a
+        record, ``hashes`` covers whole records (else :class:`InvalidArgument`), as in-process.
         """
-        hs, block_bytes = self._rows(group, hashes)
-        out8 = byte_rows(out, len(hs), block_bytes, "out", _CPU, writable=True)
-        if not hs:
+        keys, n = self._record_keys(group, hashes, whole="get")
+        out8 = self._units.rows(out, group, n, len(keys), "out", _CPU, writable=True)
+        if not keys:
             return
+        hs = check_hashes(hashes)
         rid = user_request(request_id) if request_id is not None else f"g:{next(self._ids)}"
-        msg = {"g": group, "h": [h.hex() for h in hs], "r": rid}
+        msg = {"g": group, "h": [h.hex() for h in hs], "r": rid}  # pinned by block, a slot per record
+        records = {**msg, "h": [k[:-GROUP_BYTES].hex() for k in keys]}  # unpinned by record
         pending = self.config.max_pending_s or 60.0
         deadline = time.monotonic() + pending + self._timeout
         nap = 0.0005
@@ -282,7 +294,7 @@ class DaemonStore(TieredStore):
                 raise BlockMissing("the tierkv daemon is not reachable", missing=everything) from None
             states: str = answer["s"]
             if "m" in states or time.monotonic() > deadline:
-                self._unpin(msg, request_id, confirm=False)
+                self._unpin(records, request_id, confirm=False)
                 missing = [i for i, c in enumerate(states) if c != "h"]
                 raise BlockMissing(f"{len(missing)} of {len(hs)} blocks are held by no tier", missing=missing)
             if "p" not in states:
@@ -299,7 +311,7 @@ class DaemonStore(TieredStore):
         # and a restarted daemon never reuses the old pool's pages: a copy that started on the
         # connection that pinned them and ended well within the grace read the pinned bytes
         quick = time.monotonic() - pinned_at < SAFE_COPY_S
-        if not (self._unpin(msg, request_id, confirm=not quick) in (gen, True) and copied):
+        if not (self._unpin(records, request_id, confirm=not quick) in (gen, True) and copied):
             raise BlockMissing("the tierkv daemon went away while the blocks were copied", missing=everything)
 
     def _unpin(self, msg: dict[str, Any], request_id: str | None, confirm: bool) -> int | bool | None:

@@ -19,6 +19,7 @@ from tierkv.errors import InvalidArgument, TierKVError
 from tierkv.keys import GROUP_BYTES, MAX_HASH_BYTES
 from tierkv.movement.lookup import KeyState
 from tierkv.store import TieredStore
+from tierkv.units import RecordUnits
 
 __all__ = ["HANDLERS", "Call", "Conn", "OnLoop", "Served", "let_go"]
 
@@ -37,6 +38,11 @@ class Served:
     staging: Staging | None = None
     feed: Feed | None = None  # its events, for the connections that subscribe
     counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
+    #: the store's blocks as its records (the pool and the slot API name records)
+    units: RecordUnits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.units = RecordUnits(self.store.layout)
 
 
 @dataclass
@@ -164,9 +170,9 @@ def _clear(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> 
 def _pin(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
     g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
 
-    def call() -> dict[str, Any]:
+    def call() -> dict[str, Any]:  # a state per block, a slot per record
         states = served.store.lookup(g, h, rid)
-        slots = served.store.engine.ready_slots(g, _keys(g, h))
+        slots = served.store.engine.ready_slots(g, served.units.keys(g, h)[0])
         return {"s": "".join(_LOOKUP_CHAR[x.value] for x in states), "slots": slots}
     return call
 
@@ -176,7 +182,7 @@ def _unpin(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> 
     assert rid is not None
 
     def call() -> dict[str, Any]:
-        served.store.engine.unpin(g, _keys(g, h), rid)
+        served.store.engine.unpin(g, _keys(g, h), rid)  # records: get's unpin names them too
         return {}
     return call
 
@@ -201,7 +207,7 @@ def _reserve(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -
         got = served.store.engine.reserve(g, keys)
         if got is None:
             staging = served.staging
-            nbytes = len(keys) * served.store.layout.group(g).block_bytes
+            nbytes = len(keys) * served.units.records.group(g).block_bytes
             off = staging.take(nbytes) if staging is not None and msg.get("stage") is True else None
             if off is None:
                 served.counts["put_blocks_dropped"] += len(keys)
