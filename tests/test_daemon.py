@@ -139,9 +139,12 @@ async def test_two_processes_share_a_block_through_the_daemons_pool(daemon: Daem
         assert store.lookup(0, hs) == [Lookup.HIT] * 6  # in the daemon's pool: no tier is below it
         assert store.lookup_prefix(hs).blocks == 6
         got = torch.zeros(6, 4096, dtype=torch.uint8)
+        hits = store.stats().tiers[0].hits
         await store.get(0, hs, got)
         assert torch.equal(got, blocks(6, 4096, seed=1))
-        assert store.stats().tiers[0].kind == "cpu" and len(store.stats().tiers) == 1
+        pool = store.stats().tiers[0]
+        assert pool.kind == "cpu" and len(store.stats().tiers) == 1
+        assert pool.hits == hits + 6, "a get reads the pool, counted as in-process"
 
 
 async def test_stores_of_other_namespaces_never_see_the_blocks(daemon: Daemon) -> None:

@@ -171,8 +171,13 @@ def _pin(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Ca
     g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
 
     def call() -> dict[str, Any]:  # a state per block, a slot per record
-        states = served.store.lookup(g, h, rid)
-        slots = served.store.engine.ready_slots(g, served.units.keys(g, h)[0])
+        store, keys = served.store, served.units.keys(g, h)[0]
+        if len(keys) * served.units.per == len(h):
+            pinned = store.engine.pin_ready(g, keys, str(rid))  # all there (the usual case): one batch
+            if pinned is not None:
+                return {"s": "h" * len(h), "slots": pinned}
+        states = store.lookup(g, h, rid)  # pins what is there, promotes what is below
+        slots = store.engine.ready_slots(g, keys)
         return {"s": "".join(_LOOKUP_CHAR[x.value] for x in states), "slots": slots}
     return call
 

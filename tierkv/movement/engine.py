@@ -31,6 +31,7 @@ from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
 from tierkv.movement.keystates import KeyLookups
 from tierkv.movement.lookup import KeyState, Lookup, Resolver
+from tierkv.observing.metrics import TierStats
 
 __all__ = ["EngineSlots", "EvictionListener", "Reservation", "pool_for"]
 
@@ -63,7 +64,7 @@ class EngineSlots:
     def __init__(self, *, lock: threading.RLock, layout: Layout, ledger: BlockLedger,
                  admission: Admission, resolver: Resolver, keys: KeyLookups,
                  check_open: Callable[[], None],
-                 committed: Callable[[int, list[bytes], list[int]], None]) -> None:
+                 committed: Callable[[int, list[bytes], list[int]], None], stats: TierStats) -> None:
         self._lock = lock
         self._layout = layout
         self._ledger = ledger
@@ -73,6 +74,7 @@ class EngineSlots:
         self._keys = keys
         self._check_open = check_open
         self._committed = committed
+        self._stats = stats  # the primary's: pin_ready counts what a get through it reads
         self._listeners: list[EvictionListener] = []
 
     def _pool(self, group: int) -> SlotPool:
@@ -128,6 +130,23 @@ class EngineSlots:
             elif self._resolver.overdue(req, now, self._resolver.cost.deadline_s(req.waiting)):
                 return KeyState.MISS  # the request recomputes from here (its promotions go on)
         return state
+
+    @locked
+    def pin_ready(self, group: int, keys: list[bytes], request_id: str) -> list[int] | None:
+        """When every key is READY now: pin them all for the request and return their slots (a
+        batch: no lookups, no promotions), counted as reads of the primary (a daemon's client copies
+        them out); None, nothing pinned, when one is not."""
+        pool = self._pool(group)
+        index, state, ready = pool.index, pool.state, SlotState.READY
+        slots = [index.get(k) for k in keys]
+        if any(s is None or state[s] is not ready for s in slots):
+            return None
+        req = self._admission.request(request_id)
+        assert req is not None
+        self._ledger.pin(req, group, keys, slots)  # type: ignore[arg-type]
+        self._stats.hits += len(keys)
+        self._stats.bytes_read += len(keys) * pool.block_bytes
+        return slots  # type: ignore[return-value]
 
     @locked
     def ready_slots(self, group: int, keys: list[bytes], request_id: str | None = None) -> list[int | None]:

@@ -60,7 +60,7 @@ class Parts:
         keys = KeyLookups(resolver)
         committed: list[Callable[[int, list[bytes], list[int]], None]] = []
         engine = EngineSlots(lock=bridge.lock, layout=layout, ledger=ledger, admission=admission,
-                             resolver=resolver, keys=keys, check_open=check_open,
+                             resolver=resolver, keys=keys, check_open=check_open, stats=primary_stats,
                              committed=lambda g, keys, slots: committed[0](g, keys, slots))
         reader = Reader(bridge=bridge, ledger=ledger, admission=admission, gateways=gateways,
                         promoter=promoter, stats=primary_stats)
