@@ -469,8 +469,11 @@ async def test_a_store_whose_daemon_is_not_there_answers_at_once_and_checks_its_
             await store.put(0, hs, blocks(2, 4096))  # rows that do not match the hashes
         with pytest.raises(InvalidArgument):
             store.lookup(0, [hs[0], hs[0]])
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(BlockMissing):
             async with store.borrow(0, hs):
+                pass
+        with pytest.raises(InvalidArgument, match="lend_slots is not available through the tierkv daemon"):
+            with store.lend_slots(0, hs):
                 pass
 
 
@@ -496,6 +499,8 @@ async def test_several_blocks_to_a_record_answer_as_in_process_and_share_the_rec
                 out = torch.zeros(4, rows.shape[1], dtype=torch.uint8)
                 await store.get(g, hs[4:8], out, request_id="r")
                 assert torch.equal(out, rows[4:8])
+                async with store.borrow(g, hs[:8]) as lent:  # a copy of its own through the daemon
+                    assert lent.shape == (8, rows.shape[1]) and torch.equal(lent, rows[:8])
             with pytest.raises(InvalidArgument, match="multiple of 4 hashes"):
                 await store.get(0, hs[:6], torch.zeros(6, 1024, dtype=torch.uint8))
             with pytest.raises(BlockMissing):

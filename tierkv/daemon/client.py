@@ -330,14 +330,22 @@ class DaemonStore(TieredStore):
     @contextlib.asynccontextmanager
     async def borrow(self, group: int, hashes: Sequence[bytes],
                      request_id: str | None = None) -> AsyncIterator[torch.Tensor]:
-        """Not available through the daemon (use :meth:`get`)."""
-        raise InvalidArgument("borrow is not available through the tierkv daemon: use get")
-        yield torch.empty(0)  # pragma: no cover
+        """The blocks' rows, as :meth:`TieredStore.borrow` gives them, but always a copy of this
+        call's own (a :meth:`get`, blocks below the pool read too): a view of the daemon's pool
+        would outlive its pins if the connection dropped while the caller still read it."""
+        keys, n = self._record_keys(group, hashes, whole="borrow")
+        rows = torch.empty((n, self.layout.group(group).block_bytes), dtype=torch.uint8)
+        if keys:
+            await self.get(group, hashes, rows, request_id=request_id)
+        yield rows
 
     @contextlib.contextmanager
     def lend_slots(self, group: int, hashes: Sequence[bytes]) -> Iterator[list[int] | None]:
-        """Not available through the daemon (use :meth:`get`)."""
-        raise InvalidArgument("lend_slots is not available through the tierkv daemon: use get")
+        """Not available through the daemon (use :meth:`get`, or :attr:`engine` to copy rows of the
+        daemon's pool yourself, each slot named with its pool)."""
+        raise InvalidArgument("lend_slots is not available through the tierkv daemon: the rows are the "
+                              "daemon's and a slot means something only with its pool; use get, or "
+                              "store.engine (key_state, ready_slots, pool_of)")
         yield None  # pragma: no cover
 
     # ---- state ----------------------------------------------------------------------------------
