@@ -185,3 +185,57 @@ def test_a_daemon_engine_refuses_tiers_of_its_own_in_one_clear_error(tmp_path: P
     no_pool = dataclasses.replace(cfg, extra_config={}, enable_kv_cache_events=False)
     with pytest.raises(ConfigError, match="cpu_bytes_to_use is required"):
         TierKVOffloadingSpec(no_pool)
+
+
+def test_a_prefix_lookup_through_the_daemon_asks_ahead_in_one_message_and_stops_at_a_miss(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """vLLM looks a prefix up one key at a time; through the daemon each would be a message. The
+    keys vLLM will ask next (their positions, which its scheduler records in the request context)
+    go with the first: one message answers them, up to the first MISS, and the load reads the
+    right rows."""
+    a = DaemonEngine(tmp_path / "a", daemon.socket, "engine-a")
+    b = DaemonEngine(tmp_path / "b", daemon.socket, "engine-b")
+    try:
+        keys = [key(i, 0) for i in range(12)]
+        stored = [k for i, k in enumerate(keys) if i != 8]  # the prefix breaks at key 8
+        a.store(stored[:4], [1, 2, 3, 4], [4], ctx("w1"))
+        a.store(stored[4:8], [5, 6, 7, 8], [4], ctx("w2"))
+        a.store(stored[8:], [9, 10, 11], [3], ctx("w3"))
+        want = a.gpu[[1, 2, 3, 4, 5, 6, 7, 8]].clone()
+
+        c = ctx("r")
+        for i, k in enumerate(keys):  # as vLLM's scheduler does before its lookups
+            c.set_offload_key_position(k, (i + 1) * 16)
+        link = b.manager.engine._link  # type: ignore[attr-defined]
+        answers: list[dict[str, Any]] = []
+        call = link.call
+
+        def counted(msg: dict[str, Any], **kw: Any) -> Any:
+            got = call(msg, **kw)
+            if msg.get("op") == "state":
+                answers.append(got[0])
+            return got
+        link.call = counted
+
+        def scan() -> list[Any]:  # vLLM's maximal prefix lookup: on until the first MISS
+            results = []
+            for k in keys:
+                results.append(b.manager.lookup(k, c))
+                if results[-1] is LookupResult.MISS:
+                    break
+            return results
+
+        # key 8 is in no pool: the daemon looks for it in its file tier (RETRY) and vLLM scans on
+        assert scan() == [LookupResult.HIT] * 8 + [LookupResult.RETRY] + [LookupResult.HIT] * 3
+        assert len(answers) == 1 and len(answers[0]["k"]) == 12, "one message for the whole prefix"
+        deadline = time.monotonic() + 30
+        while (again := scan()) != [LookupResult.HIT] * 8 + [LookupResult.MISS]:  # vLLM's next steps
+            assert time.monotonic() < deadline, again
+            time.sleep(0.05)
+        assert len(answers[-1]["k"]) == 9, "nothing asked (or pinned) past the first MISS"
+        b.load(keys[:8], [20, 21, 22, 23, 24, 25, 26, 27], [8], c)
+        assert torch.equal(b.gpu[20:28], want)
+        b.manager.on_request_finished(c)
+    finally:
+        a.close()
+        b.close()

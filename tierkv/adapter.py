@@ -15,7 +15,8 @@ store).
 - a ``tierkv serve`` daemon's pool, for an engine's processes that copy into its rows:
   :class:`DaemonLink` (a connection that maps it; ``rows_of(pool_id)``), :func:`daemon_pool_rows`
   (the rows of a pool id some link of this process mapped), :class:`DaemonStore` (a store the
-  daemon serves: ``lower_tiers_local`` says where its lower tiers keep their data);
+  daemon serves: ``lower_tiers_local`` says where its lower tiers keep their data), :data:`AHEAD_KEYS`
+  (how many keys one daemon lookup may ask, the first and those the engine asks next);
 - copies between an engine's device tensors and pool rows: :class:`DeviceTransfer`, :class:`Copy`;
 - a lower tier driven without a store (vLLM's secondary tier): :class:`TierGateway`,
   :class:`FsspecTier`, :class:`FsspecTierConfig`, :class:`TierContext`, :func:`redact_url`,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from tierkv.daemon.client import DaemonStore
     from tierkv.daemon.link import Link as DaemonLink
     from tierkv.daemon.link import mapped_pools as daemon_pool_rows
+    from tierkv.daemon.slots import AHEAD_KEYS
     from tierkv.keys import GROUP_BYTES
     from tierkv.movement.engine import EngineSlots
     from tierkv.movement.gateway import TierGateway
@@ -91,11 +93,13 @@ _WHERE: dict[str, tuple[str, str]] = {
     "release_shared": ("tierkv.blocks.sharedmem", "release"),
     "DaemonLink": ("tierkv.daemon.link", "Link"),
     "DaemonStore": ("tierkv.daemon.client", "DaemonStore"),
+    "AHEAD_KEYS": ("tierkv.daemon.slots", "AHEAD_KEYS"),
     "daemon_pool_rows": ("tierkv.daemon.link", "mapped_pools"),
     **{n: ("tierkv.transfer", n) for n in ["Copy", "DeviceTransfer"]},
 }
 
 __all__ = [
+    "AHEAD_KEYS",
     "BACKEND_METRICS",
     "Bytes",
     "Copy",

@@ -144,14 +144,21 @@ def _prefix(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) ->
 
 def _state(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
     """The engine slot API's per-key lookup: each key's state, pinning it for the request, and
-    the slot of each READY one."""
+    the slot of each READY one; with ``stop``, none after the first MISS."""
     g, h, rid = _group(msg), _hashes(msg), _request(conn, msg, required=True)
     assert rid is not None
+
+    stop = msg.get("stop") is True  # at the first MISS: the engine asks no further
 
     def call() -> dict[str, Any]:
         engine = served.store.engine
         keys = _keys(g, h)
-        states = [engine.key_state(g, k, rid) for k in keys]
+        states = []
+        for k in keys:
+            states.append(engine.key_state(g, k, rid))
+            if stop and states[-1] is KeyState.MISS:
+                break
+        keys = keys[:len(states)]
         ready = [k for k, s in zip(keys, states, strict=True) if s is KeyState.READY]
         at = dict(zip(ready, engine.ready_slots(g, ready), strict=True)) if ready else {}
         return {"k": [s.value for s in states], "slots": [at.get(k) for k in keys]}

@@ -38,10 +38,12 @@ from tierkv.keys import GROUP_BYTES
 from tierkv.movement.engine import Reservation
 from tierkv.movement.lookup import KeyState
 
-__all__ = ["DaemonSlots", "user_request"]
+__all__ = ["AHEAD_KEYS", "DaemonSlots", "user_request"]
 
 log = logging.getLogger("tierkv.daemon")
 EvictionListener = Callable[[int, list[bytes]], None]
+#: keys asked in one message at most when the engine says which come next
+AHEAD_KEYS = 64
 
 
 def user_request(request_id: object) -> str:
@@ -61,6 +63,8 @@ class DaemonSlots:
         self._lock = threading.Lock()
         #: request id -> (pool id, {(group, key): slot}) of its READY answers not unpinned yet
         self._held: dict[str, tuple[str, dict[tuple[int, bytes], int]]] = {}
+        #: request id -> answers given early (asked with an earlier key): state, slot, connection
+        self._early: dict[str, dict[tuple[int, bytes], tuple[KeyState, int | None, int]]] = {}
         self._listeners: list[EvictionListener] = []
         self._feed: Subscription | None = None
         #: while someone listens: each group's keys this client committed and not seen evicted
@@ -144,14 +148,39 @@ class DaemonSlots:
         if feed is not None:
             feed.close()
 
-    def key_state(self, group: int, key: bytes, request_id: str) -> KeyState:
-        """The key's state, pinning it for the request (see the module docstring)."""
+    def key_state(self, group: int, key: bytes, request_id: str,
+                  ahead: Callable[[], list[bytes]] | None = None) -> KeyState:
+        """The key's state, pinning it for the request (see the module docstring).
+
+        ``ahead`` gives the keys the engine will ask about next, in order (the rest of a prefix):
+        they are asked in the same message, up to the first MISS and :data:`AHEAD_KEYS` in all,
+        and their answers (their pins taken) are given when the engine asks for them, once each.
+        """
         rid = user_request(request_id)
+        with self._lock:
+            early = self._early.get(request_id)
+            got = early.pop((group, key), None) if early else None
+        if got is not None:
+            state, slot, gen = got
+            return self._answer(group, key, request_id, state, slot, gen)
+        keys = [key, *(ahead()[:AHEAD_KEYS - 1] if ahead is not None else ())]
         try:
-            answer, gen = self._link.call({"op": "state", "g": group, "h": [_hash(key, group)], "r": rid})
+            answer, gen = self._link.call({"op": "state", "g": group, "h": [_hash(k, group) for k in keys],
+                                           "r": rid, "stop": True})
         except TierUnavailable:
             return KeyState.MISS
-        state = KeyState(answer["k"][0])
+        states, slots = answer["k"], answer["slots"]
+        if len(states) > 1:
+            with self._lock:
+                early = self._early.setdefault(request_id, {})
+                for k, st, sl in zip(keys[1:], states[1:], slots[1:], strict=False):
+                    early[(group, k)] = (KeyState(st), sl, gen)
+        return self._answer(group, key, request_id, KeyState(states[0]), slots[0], gen)
+
+    def _answer(self, group: int, key: bytes, request_id: str, state: KeyState, slot: int | None,
+                gen: int) -> KeyState:
+        """A key's state as the daemon answered it on connection ``gen``; a READY one's slot is
+        remembered for the request (in that connection's pool)."""
         if state is not KeyState.READY:
             return state
         at = self._link.attached(gen)
@@ -164,7 +193,7 @@ class DaemonSlots:
                 held = self._held[request_id] = (pool, {})
             elif held[0] != pool:
                 return KeyState.MISS  # its other pins are in the pool of a daemon now gone
-            held[1][(group, key)] = int(answer["slots"][0])
+            held[1][(group, key)] = int(slot)  # type: ignore[arg-type]
         return state
 
     def ready_slots(self, group: int, keys: list[bytes], request_id: str | None = None) -> list[int | None]:
@@ -196,6 +225,7 @@ class DaemonSlots:
         """The request ended: nothing of it is loaded any more."""
         with self._lock:
             self._held.pop(request_id, None)
+            self._early.pop(request_id, None)
 
     def reserve(self, group: int, keys: list[bytes]) -> Reservation | None:
         """WRITING slots in the daemon's pool for these keys (see :meth:`EngineSlots.reserve`), in

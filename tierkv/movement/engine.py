@@ -101,10 +101,13 @@ class EngineSlots:
 
     # ---- lookups and loads ----------------------------------------------------------------------
     @locked
-    def key_state(self, group: int, key: bytes, request_id: str) -> KeyState:
+    def key_state(self, group: int, key: bytes, request_id: str,
+                  ahead: Callable[[], list[bytes]] | None = None) -> KeyState:
         """What a lookup of one full key says, pinning HIT and PENDING blocks for the request.
 
         The caller guarantees the key's tail is ``group``; a READY key is answered without lists.
+        ``ahead`` (the keys the engine asks about next) matters to a daemon store's slots only,
+        where a lookup is a message: here it costs microseconds and is not used.
         """
         pool = self._pool(group)
         req = self._admission.request(request_id)

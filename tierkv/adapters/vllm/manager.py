@@ -7,6 +7,8 @@ which is lock-protected and synchronous, so none of them waits on I/O or on the 
 
 from __future__ import annotations
 
+import functools
+import heapq
 import logging
 import os
 import threading
@@ -34,6 +36,7 @@ from vllm.v1.kv_offload.base import (
 
 from tierkv import Layout, TieredStore
 from tierkv.adapter import (
+    AHEAD_KEYS,
     GROUP_BYTES,
     LATENCY_BUCKETS,
     MAX_RATE_TOKENS_S,
@@ -108,6 +111,18 @@ class CounterDeltas:
             for v in values:
                 stats.observe_histogram(m.full_name, v, labels)
         return None if stats.is_empty() else stats
+
+
+def _following(req_context: ReqContext, key: bytes) -> list[bytes]:
+    """The request's keys of ``key``'s group after it, in prefix order, as many as a daemon lookup
+    asks ahead: vLLM's scheduler records every key's end position in the request context before
+    it looks them up (none when this vLLM does not: the lookups are then one message each)."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(positions, dict) or (at := positions.get(key)) is None:
+        return []
+    tail = key[-GROUP_BYTES:]
+    later = [(p, k) for k, p in positions.items() if p > at and k[-GROUP_BYTES:] == tail]
+    return [bytes(k) for _, k in heapq.nsmallest(AHEAD_KEYS - 1, later)]
 
 
 #: stores being timed at most (beyond, those older than OPEN_MAX_S are dropped)
@@ -213,6 +228,8 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._order = {g: i for i, g in enumerate(group_order)}
         #: the 4-byte tail of a key -> its group, for the groups that have pools
         self._tails = {g.to_bytes(GROUP_BYTES, "big"): g for g in self._cacheable}
+        #: through the daemon, a lookup is a message: the keys vLLM asks next go with it
+        self._ahead = isinstance(self.store, DaemonStore)
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
         self._events_lock = threading.Lock()
@@ -249,6 +266,9 @@ class TierKVOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return LookupResult.MISS
         if self._rate is not None:
             self._rate.looked_up(req_context.req_id)
+        if self._ahead and self.layout.groups[group].kind == "full":  # vLLM walks a full group forward
+            return _RESULT[self.engine.key_state(group, key, req_context.req_id,
+                                                 ahead=functools.partial(_following, req_context, key))]
         return _RESULT[self.engine.key_state(group, key, req_context.req_id)]
 
     def _by_tail(self, keys: Collection[OffloadKey]) -> list[tuple[int, list[bytes]]]:
