@@ -10,7 +10,10 @@ Three rounds, each timing both stores alternately; every figure is the median of
 * put and get: ``--blocks`` blocks of ``--block-kib`` KiB per call (puts of new keys, gets of
   resident ones), MB/s, and the daemon's as a ratio to the in-process store's;
 * memory: ``--engines`` stores (one connection each) put the same prefix; the daemon's pool holds
-  it once, where in-process stores hold a copy each.
+  it once, where in-process stores hold a copy each;
+* with ``--steps``, where a daemon ``get``'s time goes: medians of 300 of each step of one call
+  (a ``ping`` round trip, the ``pin`` round trip, the copy out of the mapped pool, the unpin sent
+  without waiting, and the whole ``get``), timed in the client.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def lookup_latency(store: TieredStore, hs: list[bytes], calls: int) -> tuple[flo
     return percentiles(out)
 
 
-async def rate(fn: Callable[[int], Coroutine[Any, Any, None]], nbytes: int, repeats: int = 5) -> float:
+async def rate(fn: Callable[[int], Coroutine[Any, Any, None]], nbytes: int, repeats: int = 25) -> float:
     """MB/s of ``fn(i)``: the median of ``repeats`` calls after one warm-up."""
     await fn(-1)
     samples = []
@@ -130,7 +133,47 @@ async def run(args: argparse.Namespace, sock: str, layout: Layout, capacity: int
               "daemon_pool_bytes": used.ready * bb,
               "in_process_pool_bytes": args.engines * n * bb}
     ratio = {k: med["daemon"][k] / med["in-process"][k] for k in ("put_MBps", "get_MBps")}
-    return {"block_bytes": bb, "blocks": n, "rounds": ROUNDS, "median": med, "ratio": ratio, "memory": shared}
+    res = {"block_bytes": bb, "blocks": n, "rounds": ROUNDS, "median": med, "ratio": ratio, "memory": shared}
+    if args.steps:
+        async with TieredStore(remote) as store:
+            res["steps_us"] = await steps(store, n, bb)
+    return res
+
+
+async def steps(store: TieredStore, n: int, bb: int, calls: int = 300) -> dict[str, float]:
+    """Medians (us) of each step of a daemon get, timed in the client (the client's link is private:
+    this reaches into it to time the messages a get sends)."""
+    from tierkv.daemon.client import _gather
+
+    data = torch.randint(0, 256, (n, bb), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    hs = keys(n, "steps")
+    await store.put(0, hs, data)
+    link = store._link  # type: ignore[attr-defined]
+    pin = {"op": "pin", "g": 0, "h": [h.hex() for h in hs], "r": "steps"}
+    unpin = {**pin, "op": "unpin", "nr": True}
+    slots = link.call(pin)[0]["slots"]
+    link.call(unpin, reply=False)
+
+    def timed(fn: Callable[[], object]) -> float:
+        samples = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    res = {"ping": timed(lambda: link.call({"op": "ping"})),
+           "pin+unpin": timed(lambda: (link.call(pin), link.call(unpin, reply=False)))}
+    res["copy"] = timed(lambda: _gather(link.pools[0], slots, out))
+    res["unpin (sent)"] = timed(lambda: (link.call(unpin, reply=False)))
+    get_samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await store.get(0, hs, out)
+        get_samples.append(time.perf_counter() - t0)
+    res["get"] = statistics.median(get_samples) * 1e6
+    return res
 
 
 def main() -> int:
@@ -139,6 +182,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=benchmain.positive, default=64, help="blocks per put/get (at least 32)")
     ap.add_argument("--lookups", type=benchmain.positive, default=3000)
     ap.add_argument("--engines", type=benchmain.positive, default=4)
+    ap.add_argument("--steps", action="store_true", help="also time the steps of one daemon get")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.blocks < 32:
@@ -166,6 +210,9 @@ def main() -> int:
     mib = {k: m[k] / 2**20 for k in ("prefix_bytes", "daemon_pool_bytes", "in_process_pool_bytes")}
     print(f"{m['engines']} engines putting one {mib['prefix_bytes']:.0f} MiB prefix: daemon pool "
           f"{mib['daemon_pool_bytes']:.0f} MiB, in-process pools {mib['in_process_pool_bytes']:.0f} MiB")
+    if "steps_us" in res:
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in res["steps_us"].items())
+        print(f"one daemon get, medians (us): {parts}")
     return 0
 
 
