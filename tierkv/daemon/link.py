@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierkv.daemon.protocol import VERSION, recv_message, send_message
+from tierkv.daemon.protocol import VERSION, dial, recv_message, send_message
 from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.layout import Layout
 
@@ -163,14 +163,9 @@ class Link:
         if now < self._next_try:
             raise TierUnavailable(f"tierkv daemon at {self.path} is not reachable (retrying)")
         self._next_try = now + RETRY_S
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self.timeout_s)
-            sock.connect(self.path)
-            send_message(sock, self.hello)
-            answer = recv_message(sock)
+            sock, answer = dial(self.path, self.hello, self.timeout_s)
         except (OSError, TierUnavailable) as exc:
-            sock.close()
             raise TierUnavailable(f"tierkv daemon at {self.path} is not reachable: {exc}") from None
         if "error" in answer:
             sock.close()

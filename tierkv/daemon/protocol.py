@@ -15,8 +15,8 @@ from typing import Any
 
 from tierkv.errors import InvalidArgument, TierUnavailable
 
-__all__ = ["HEADER_BYTES", "MAX_MESSAGE", "MAX_REQUEST_ID", "VERSION", "body_length", "decode", "encode",
-           "recv_message", "send_message"]
+__all__ = ["HEADER_BYTES", "MAX_MESSAGE", "MAX_REQUEST_ID", "VERSION", "body_length", "decode", "dial",
+           "encode", "recv_message", "send_message"]
 
 #: the protocol's version; a hello with another is refused
 VERSION = 1
@@ -77,3 +77,18 @@ def recv_message(sock: socket.socket) -> dict[str, Any]:
     n = body_length(_recv_exactly(sock, _HEADER.size))
     return decode(_recv_exactly(sock, n))
 
+
+
+def dial(path: str, hello: dict[str, Any], timeout_s: float) -> tuple[socket.socket, dict[str, Any]]:
+    """Connect to the daemon at ``path`` and say ``hello``: the connection and the daemon's answer
+    (an error answer included). Raises :class:`OSError` or :class:`TierUnavailable`, the socket
+    closed, when the daemon cannot be reached."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        send_message(sock, hello)
+        return sock, recv_message(sock)
+    except BaseException:
+        sock.close()
+        raise

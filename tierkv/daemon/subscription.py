@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tierkv.daemon.protocol import recv_message, send_message
+from tierkv.daemon.protocol import dial, recv_message, send_message
 from tierkv.errors import InvalidArgument, TierUnavailable
 
 __all__ = ["RECONNECT_S", "Subscription"]
@@ -45,12 +45,8 @@ class Subscription:
         self._thread.start()
 
     def _connect(self) -> tuple[socket.socket, str, dict[str, Any]]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock, hello = dial(self._path, self._hello, self._timeout)
         try:
-            sock.settimeout(self._timeout)
-            sock.connect(self._path)
-            send_message(sock, self._hello)
-            hello = recv_message(sock)
             if "error" not in hello:
                 send_message(sock, {"op": "subscribe", "what": self._what})
                 answer = recv_message(sock)
