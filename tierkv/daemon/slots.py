@@ -163,7 +163,7 @@ class DaemonSlots:
         if got is not None:
             state, slot, gen = got
             return self._answer(group, key, request_id, state, slot, gen)
-        keys = [key, *(ahead()[:AHEAD_KEYS - 1] if ahead is not None else ())]
+        keys = list(dict.fromkeys([key, *(ahead() if ahead is not None else ())]))[:AHEAD_KEYS]
         try:
             answer, gen = self._link.call({"op": "state", "g": group, "h": [_hash(k, group) for k in keys],
                                            "r": rid, "stop": True})
