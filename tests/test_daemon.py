@@ -233,7 +233,8 @@ async def test_a_killed_clients_pins_and_half_done_puts_are_dropped(daemon: Daem
 
 
 @pytest.mark.parametrize("per", [1, 2], ids=["blocks", "records-of-2"])
-async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier(tmp_path: Path, per: int) -> None:
+async def test_a_put_that_finds_no_room_in_the_pool_is_written_to_the_lower_tier(tmp_path: Path,
+                                                                                per: int) -> None:
     """As in-process: blocks that find no free or evictable slot go to the lower tiers (copied
     through the daemon's staging file, never the socket); without staging they are dropped, counted
     (records, with several blocks to one)."""

@@ -73,7 +73,11 @@ def test_a_damaged_recurrent_group_moves_the_boundary_back_for_every_group(model
     reads back, and the output equals a cold run."""
     m = MODELS["qwen3next"]
     tier = tmp_path / "tier"
-    short = 32 * BLOCK + 1
+    # the short prompt must end past a block boundary; vLLM sizes a hybrid model's blocks from its
+    # state's page size, which depends on the machine's CPU attention (1,056 tokens on a machine
+    # without AMX, where a 1,025-token prompt left no boundary at all); 1,057 tokens end past one for
+    # any block of at most 1,056 tokens, and the damage starts after it
+    short = 33 * BLOCK + 1
     base = {"model": "qwen3next", "url": f"file://{tier}", "prompt_len": m["prompt_len"],
             "max_model_len": m["max_model_len"]}
     ev, _ = run(models_dir, tmp_path, **base, short_len=short, steps=["run1", "reset", "short"])
