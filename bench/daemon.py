@@ -183,12 +183,18 @@ def main() -> int:
     ap.add_argument("--lookups", type=benchmain.positive, default=3000)
     ap.add_argument("--engines", type=benchmain.positive, default=4)
     ap.add_argument("--steps", action="store_true", help="also time the steps of one daemon get")
+    ap.add_argument("--pool-mib", type=benchmain.positive, default=1024,
+                    help="each store's CPU pool (at least 4 puts' worth)")
+    ap.add_argument("--threads", type=benchmain.positive, default=None,
+                    help="torch threads in this process, for both stores (default: torch's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.blocks < 32:
         ap.error("--blocks must be at least 32 (the 32-block lookup)")
     layout = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=args.block_kib * 1024)])
-    capacity = 4 * args.blocks * args.block_kib * 1024
+    capacity = max(4 * args.blocks * args.block_kib * 1024, args.pool_mib << 20)
     with tempfile.TemporaryDirectory(prefix="tierkv-daemon-bench-") as tmp:
         proc, sock = start_daemon(tmp, capacity)
         try:
