@@ -1,9 +1,12 @@
 """The tierkv daemon against an in-process store: lookup latency, put/get rates, shared memory.
 
-    python bench/daemon.py [--block-kib 256] [--blocks 64] [--lookups 3000] [--engines 4] [--json]
+    python bench/daemon.py [--block-kib 256] [--blocks 64] [--lookups 3000] [--engines 4]
+                           [--pool-mib 1024] [--threads N] [--steps] [--json]
 
 Starts ``tierkv serve`` on a temporary socket (pool in ``/dev/shm``, no lower tier) and, in this
-process, a store with ``daemon:`` set beside an in-process store with a CPU pool of the same size.
+process, a store with ``daemon:`` set beside an in-process store with a CPU pool of the same size
+(``--pool-mib``, at least four calls' worth). ``--threads`` sets torch's threads in this process
+(both stores' copies): on a small machine, one leaves a core to the daemon.
 Three rounds, each timing both stores alternately; every figure is the median of the rounds:
 
 * lookup latency: ``lookup`` of 1 and of 32 resident blocks, p50 and p99 over ``--lookups`` calls;
