@@ -146,7 +146,7 @@ async def run(args: argparse.Namespace, sock: str, layout: Layout, capacity: int
 async def steps(store: TieredStore, n: int, bb: int, calls: int = 300) -> dict[str, float]:
     """Medians (us) of each step of a daemon get, timed in the client (the client's link is private:
     this reaches into it to time the messages a get sends)."""
-    from tierkv.daemon.client import _gather
+    from tierkv.daemon.direct import gather
 
     data = torch.randint(0, 256, (n, bb), dtype=torch.uint8)
     out = torch.empty_like(data)
@@ -168,7 +168,7 @@ async def steps(store: TieredStore, n: int, bb: int, calls: int = 300) -> dict[s
 
     res = {"ping": timed(lambda: link.call({"op": "ping"})),
            "pin+unpin": timed(lambda: (link.call(pin), link.call(unpin, reply=False)))}
-    res["copy"] = timed(lambda: _gather(link.pools[0], slots, out))
+    res["copy"] = timed(lambda: gather(link.pools[0], slots, out))
     res["unpin (sent)"] = timed(lambda: (link.call(unpin, reply=False)))
     get_samples = []
     for _ in range(calls):

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from tierkv.blocks import sharedmem
 from tierkv.blocks.policy import EvictionPolicy, make_policy
+from tierkv.blocks.slottable import SlotTable
 from tierkv.errors import CapacityError, InvalidArgument
 from tierkv.layout import Layout
 from tierkv.tensors import contiguous_run, wide_view
@@ -239,6 +240,8 @@ class SlotPool:
         self._evictable = 0
         #: called with the keys each allocation evicted (engine adapters turn them into events)
         self.on_evict: Callable[[list[bytes]], None] | None = None
+        #: each slot's key and version for readers in other processes (a daemon's pool), or None
+        self.table: SlotTable | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     def slot_of(self, key: bytes) -> int | None:
@@ -324,11 +327,14 @@ class SlotPool:
             self.on_evict(victims)
         slots = sorted(self._free.pop() for _ in keys)  # adjacent slots copy as one run
         self.writing += len(slots)
+        table = self.table
         for key, s in zip(keys, slots, strict=True):
             self.state[s] = SlotState.WRITING
             self.slot_key[s] = key
             self.index[key] = s
             self.gen[s] += 1
+            if table is not None:
+                table.allocated(s, key)
         return slots, victims
 
     def tokens(self, slots: Sequence[int]) -> list[int]:
@@ -372,6 +378,8 @@ class SlotPool:
                 key = self.slot_key[s]
                 assert key is not None
                 self.policy.insert(key)
+                if self.table is not None:
+                    self.table.ready(s)
 
     def free(self, slots: Sequence[int]) -> None:
         """Give READY slots back (a delete, a clear); their keys become invisible at once.
@@ -384,6 +392,8 @@ class SlotPool:
                 self._drop(s)
 
     def _drop(self, s: int, evicted: bool = False) -> None:
+        if self.table is not None:
+            self.table.freed(s)  # first: a reader copying the slot now throws its copy away
         if self.state[s] is SlotState.READY and self.pins[s] == 0:
             self._evictable -= 1
         elif self.state[s] is SlotState.WRITING:

@@ -29,6 +29,7 @@ import torch
 from tierkv.backends.base import Tier
 from tierkv.blocks.pool import PoolPlan
 from tierkv.config import StoreConfig
+from tierkv.daemon.direct import DirectReads, gather
 from tierkv.daemon.link import Link
 from tierkv.daemon.slots import DaemonSlots, user_request
 from tierkv.daemon.subscription import Subscription
@@ -37,7 +38,7 @@ from tierkv.keys import GROUP_BYTES, check_hashes
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
 from tierkv.observing.metrics import StoreStats
 from tierkv.store import TieredStore
-from tierkv.tensors import contiguous_run, scatter_rows, wide_view
+from tierkv.tensors import scatter_rows
 from tierkv.units import RecordUnits
 
 __all__ = ["DaemonStore"]
@@ -72,6 +73,7 @@ class DaemonStore(TieredStore):
         self._ids = itertools.count(1)
         self._local = {"put_blocks_dropped": 0, "lookups_unreachable": 0}
         self._slots = DaemonSlots(self._link)
+        self._direct = DirectReads()
         self._feeds: list[Subscription] = []
         #: whether each of the daemon's lower tiers (1 first) keeps its data on this machine, as
         #: the daemon said when a tier event subscription last attached (empty before)
@@ -99,6 +101,8 @@ class DaemonStore(TieredStore):
 
     async def close(self) -> None:
         """Hang up: the daemon drops this store's pins and unfinished puts."""
+        if self._open:
+            self._report(force=True)
         self._open = False
         self._link.close()
         self._slots.close()
@@ -182,6 +186,8 @@ class DaemonStore(TieredStore):
                 data = src if len(rows) == len(keys) else src.index_select(0, torch.tensor(rows))
                 scatter_rows(pool, [slots[i] for i in rows], data)
                 ok = True
+                assert at is not None
+                self._direct.learn(at.pool_id, keys, slots)
         finally:
             ok = self._send_quietly({"op": "commit", **msg, "ok": ok, "nr": True}, gen) and ok
             if not ok:
@@ -212,8 +218,16 @@ class DaemonStore(TieredStore):
             return False
         return now == gen  # a new connection: what was given went with the old one
 
+    def _report(self, force: bool = False) -> None:
+        """Tell the daemon of the blocks this store read from the pool by itself, when a batch is
+        due (:class:`~tierkv.daemon.direct.DirectReads`)."""
+        for msg in self._direct.touches(force):
+            with contextlib.suppress(TierUnavailable):
+                self._link.call(msg, reply=False, retry=False)
+
     async def flush(self) -> None:
         """Wait until the daemon's store has written its cascades down (all clients' blocks)."""
+        self._report(force=True)
         with contextlib.suppress(TierUnavailable):
             self._link.call({"op": "flush"}, timeout_s=FLUSH_TIMEOUT_S)
 
@@ -279,6 +293,9 @@ class DaemonStore(TieredStore):
         out8 = self._units.rows(out, group, n, len(keys), "out", _CPU, writable=True)
         if not keys:
             return
+        if request_id is None and self._direct.get(self._link.current(), group, keys, out8):
+            self._report()  # every record was READY in its known slot before and after the copy
+            return
         hs = check_hashes(hashes)
         rid = user_request(request_id) if request_id is not None else f"g:{next(self._ids)}"
         msg = {"g": group, "h": [h.hex() for h in hs], "r": rid}  # pinned by block, a slot per record
@@ -306,7 +323,9 @@ class DaemonStore(TieredStore):
         pool = at.pools.get(group) if at is not None else None
         copied = pool is not None
         if pool is not None:
-            _gather(pool, answer["slots"], out8)
+            gather(pool, answer["slots"], out8)
+            assert at is not None
+            self._direct.learn(at.pool_id, keys, answer["slots"])
         # the rows stay pinned for the daemon's drop grace even if the connection broke meanwhile,
         # and a restarted daemon never reuses the old pool's pages: a copy that started on the
         # connection that pinned them and ended well within the grace read the pinned bytes
@@ -392,6 +411,7 @@ class DaemonStore(TieredStore):
     def stats(self) -> StoreStats:
         """The daemon's store's counters (shared by every client of this namespace and layout), plus
         this process's puts dropped and lookups answered MISS while the daemon was not reachable."""
+        self._report(force=True)
         try:
             answer, _ = self._link.call({"op": "stats"})
             st = StoreStats.model_validate(answer["stats"])
@@ -406,14 +426,3 @@ class DaemonStore(TieredStore):
         dropped = st.put_blocks_dropped + self._local["put_blocks_dropped"]
         return st.model_copy(update={"lookups": lookups, "put_blocks_dropped": dropped})
 
-
-def _gather(pool: torch.Tensor, slots: list[int], out8: torch.Tensor) -> None:
-    """``out8[i] = pool[slots[i]]`` in one batched copy (one ``copy_`` for a run of slots)."""
-    run = contiguous_run(slots)
-    if run is not None:
-        out8.copy_(pool[run[0]:run[1]])
-        return
-    src, dst = wide_view(pool), wide_view(out8)
-    if src.dtype != dst.dtype:
-        src, dst = pool, out8
-    torch.index_select(src, 0, torch.tensor(slots, dtype=torch.int64), out=dst)

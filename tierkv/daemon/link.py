@@ -11,14 +11,16 @@ import contextlib
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tierkv.blocks.slottable import ORDERED_MEMORY, SlotTable, map_tables
 from tierkv.daemon.protocol import VERSION, dial, recv_message, send_message
 from tierkv.errors import InvalidArgument, TierUnavailable
 from tierkv.layout import Layout
@@ -58,11 +60,13 @@ def _expire() -> None:
 
 @dataclass(frozen=True)
 class Attachment:
-    """What one connection mapped: each group's pool rows, the pool's id, the staging file."""
+    """What one connection mapped: each group's pool rows, the pool's id, the staging file, and
+    each group's slot table (empty when the daemon publishes none, or this machine cannot read it)."""
 
     pools: dict[int, torch.Tensor]
     pool_id: str
     staging: torch.Tensor | None
+    tables: dict[int, SlotTable] = field(default_factory=dict)
 
 
 class Link:
@@ -84,6 +88,8 @@ class Link:
         self.metrics_url: str | None = None
         #: the daemon's staging file, mapped (None while not connected, or when it has none)
         self.staging: torch.Tensor | None = None
+        #: each group's slot table, mapped (empty while not connected, or when not readable here)
+        self.tables: dict[int, SlotTable] = {}
         #: names the pool of the current connection: the daemon's instance and its pool file ('' while
         #: not connected); slots mean something only within one pool id
         self.pool_id = ""
@@ -128,7 +134,15 @@ class Link:
         with self._lock:
             if self.generation != generation or self._sock is None:
                 return None
-            return Attachment(self.pools, self.pool_id, self.staging)
+            return Attachment(self.pools, self.pool_id, self.staging, self.tables)
+
+    def current(self) -> Attachment | None:
+        """What the connection now up mapped, without a message; None when none is up or the daemon
+        hung up on it (found without waiting: the next call reconnects)."""
+        with self._lock:
+            if self._sock is None or _hung_up(self._sock):
+                return None
+            return Attachment(self.pools, self.pool_id, self.staging, self.tables)
 
     def rows_of(self, pool_id: str) -> dict[int, torch.Tensor] | None:
         """The rows of the pool ``pool_id`` names: mapped by this process already, or the daemon's
@@ -189,6 +203,13 @@ class Link:
         except (OSError, TypeError, ValueError, IndexError) as exc:
             log.warning("cannot map the daemon's staging file: %s", exc)
             self.staging = None
+        self.tables = {}
+        slots = answer.get("slots")
+        if ORDERED_MEMORY and slots:
+            try:
+                self.tables = map_tables(str(slots[0]), slots[1])
+            except (OSError, TypeError, ValueError, IndexError) as exc:
+                log.warning("cannot map the daemon's slot tables: %s", exc)
         with _MAPPED_LOCK:
             _MAPPED[pool_id] = self.pools
             _ATTACHED[pool_id] = _ATTACHED.get(pool_id, 0) + 1
@@ -211,12 +232,22 @@ class Link:
         self.pools = {}
         self.pool_id = ""
         self.staging = None
+        self.tables = {}
 
     def close(self) -> None:
         """Hang up; no call connects again."""
         with self._lock:
             self.closed = True
             self._disconnect()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether a connection with no answer due has something to read: the daemon closed it (or
+    sent what nobody asked for); either way it is not to be used."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 def _map_file(path: str, size: int) -> torch.Tensor:

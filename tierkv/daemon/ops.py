@@ -38,6 +38,8 @@ class Served:
     staging: Staging | None = None
     feed: Feed | None = None  # its events, for the connections that subscribe
     counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
+    #: where each group's slot table lies in the ``.slots`` file: ``[group, byte offset, slots]``
+    slot_tables: list[list[int]] = field(default_factory=list)
     #: the store's blocks as its records (the pool and the slot API name records)
     units: RecordUnits = field(init=False)
 
@@ -170,6 +172,12 @@ def _states(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) ->
     return lambda: {"k": [s.value for s in served.store.lookup_states(g, h, rid)]}
 
 
+def _touch(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
+    """Records the client copied out of the pool by itself, checked against the slot table."""
+    g, h = _group(msg), _hashes(msg)
+    return lambda: {"n": served.store.engine.touched(g, _keys(g, h))}
+
+
 def _clear(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
     return lambda: {"n": served.store.engine.clear()}
 
@@ -293,5 +301,6 @@ def _flush(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> 
 HANDLERS: dict[str, Callable[[OnLoop, Conn, Served, dict[str, Any]], Call]] = {
     "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
     "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": _flush,
-    "state": _state, "states": _states, "clear": _clear, "write": _write, "ping": lambda *_: lambda: {},
+    "state": _state, "states": _states, "clear": _clear, "touch": _touch, "write": _write,
+    "ping": lambda *_: lambda: {},
 }

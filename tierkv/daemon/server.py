@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.abc
 
+from tierkv.blocks.slottable import create_tables
 from tierkv.daemon.config import DaemonConfig
 from tierkv.daemon.feed import Feed
 from tierkv.daemon.ops import HANDLERS, Conn, Served, let_go
@@ -138,6 +139,8 @@ class Daemon:
                     await served.store.close()
                     if served.staging is not None:
                         served.staging.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{served.shm_path}.slots")
                 self._stores.clear()
 
     # ---- one connection, on its own thread ------------------------------------------------------
@@ -239,6 +242,7 @@ class Daemon:
         conn.served = served
         staging = served.staging
         return {"pools": served.pools, "shm": served.shm_path, "fingerprint": fingerprint,
+                "slots": [f"{served.shm_path}.slots", served.slot_tables],
                 "instance": self.instance, "staging": [staging.path, staging.size] if staging else None,
                 "metrics": served.store.metrics_url}
 
@@ -266,7 +270,9 @@ class Daemon:
             staging = None
             if self.config.staging_bytes:
                 staging = Staging(f"{shm_path}.staging", self.config.staging_bytes)
-            served = Served(store, shm_path, pools, staging, Feed(store))
+            tables, where = create_tables(f"{shm_path}.slots", {g: t.shape[0] for g, t in rows.items()})
+            store.engine.publish(tables)
+            served = Served(store, shm_path, pools, staging, Feed(store), slot_tables=where)
             self._stores[fingerprint] = served
             self._opened += 1
             log.info("serving namespace %r, layout %s, pool %s%s", namespace, fingerprint, shm_path,

@@ -26,6 +26,7 @@ import torch
 from tierkv.blocks.admission import Admission
 from tierkv.blocks.ledger import BlockLedger
 from tierkv.blocks.pool import SlotPool, SlotState
+from tierkv.blocks.slottable import SlotTable
 from tierkv.bridge import locked
 from tierkv.errors import InvalidArgument
 from tierkv.layout import Layout
@@ -206,6 +207,31 @@ class EngineSlots:
         them themselves (a device pool's tensor is on its device)."""
         self._check_open()
         return {g: pool.tensor for g, pool in self._pools.items()}
+
+    @locked
+    def publish(self, tables: Mapping[int, SlotTable]) -> None:
+        """Keep each group's slot table (``tables[group]``, one row per slot of its primary pool)
+        up to date from now on, starting from the slots as they are: other processes then copy
+        READY blocks out without asking (:mod:`tierkv.blocks.slottable`)."""
+        for group, table in tables.items():
+            pool = self._pool(group)
+            for s in range(pool.num_slots):
+                table.reset(s, pool.slot_key[s], pool.state[s] is SlotState.READY)
+            pool.table = table
+
+    @locked
+    def touched(self, group: int, keys: list[bytes]) -> int:
+        """Blocks another process copied out of the pool by itself: each is counted as a read of
+        the primary, as a ``get`` counts it, and each still READY is made recent for eviction (how
+        many were)."""
+        pool = self._pool(group)
+        index, state, ready = pool.index, pool.state, SlotState.READY
+        held = [k for k in keys if (s := index.get(k)) is not None and state[s] is ready]
+        if held:
+            self._ledger.touch(group, held)
+        self._stats.hits += len(keys)  # each was copied whole, checked against the table after
+        self._stats.bytes_read += len(keys) * pool.block_bytes
+        return len(held)
 
     # ---- whole pool -----------------------------------------------------------------------------
     @locked
