@@ -76,27 +76,28 @@ class SlotTable:
     def snapshot(self, slots: Sequence[int], keys: Sequence[bytes]) -> np.ndarray | None:
         """The versions of ``slots`` when each is READY and holds ``keys[i]`` now; None when one
         does not (or a key is too long to be published)."""
-        if any(len(k) > KEY_BYTES for k in keys):
+        lengths = {len(k) for k in keys}
+        if len(lengths) != 1:
+            return None  # keys of one layout have one length; others are left to the owner
+        n = lengths.pop()
+        if not 0 < n <= KEY_BYTES:
             return None
-        idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
+        idx = np.array(slots, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.rows.shape[0]):
             return None
         before = self._version[idx]  # first: what follows is checked against these versions
         if (before & 1).any():
             return None
         rows = self.rows[idx]
-        want = np.frombuffer(b"".join(k.ljust(KEY_BYTES, b"\0") for k in keys), dtype="<i8")
-        lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
-        if not (np.array_equal(rows[:, 1], lengths)
-                and np.array_equal(rows[:, 2:], want.reshape(len(keys), ROW_WORDS - 2))):
+        want = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), n)
+        if not ((rows[:, 1] == n).all() and np.array_equal(rows[:, 2:].view(np.uint8)[:, :n], want)):
             return None
         return before
 
     def unchanged(self, slots: Sequence[int], before: np.ndarray) -> bool:
         """Whether no slot of ``slots`` stopped being READY since :meth:`snapshot` gave ``before``
         (read after the copy: then the copy holds the blocks the snapshot named)."""
-        idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
-        return bool(np.array_equal(self._version[idx], before))
+        return bool(np.array_equal(self._version[np.array(slots, dtype=np.int64)], before))
 
 
 def _file(path: str, size: int, create: bool) -> np.ndarray:

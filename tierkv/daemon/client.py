@@ -6,7 +6,9 @@ block bytes copied once between the caller's tensors and the daemon's pool, whic
 
 While the daemon cannot be reached, nothing waits on it: lookups are MISS, ``get`` raises
 :class:`BlockMissing`, puts are dropped and counted (``put_blocks_dropped``), ``release`` does
-nothing; a later call reattaches when the daemon is back. A ``get`` copies rows pinned for it: the
+nothing; a later call reattaches when the daemon is back. A ``get`` of blocks whose slots this
+store knows copies them without a message, checked against the daemon's slot table
+(:mod:`tierkv.daemon.direct`); otherwise it copies rows pinned for it: the
 daemon keeps a dropped connection's pins for its ``drop_grace_s`` (at least 1 s) and a restarted
 daemon never reuses the old pool's pages, so a copy that began on the pinning connection and ended
 within :data:`SAFE_COPY_S` read what was pinned. One that took longer and whose pins were not
