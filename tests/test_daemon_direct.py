@@ -108,6 +108,7 @@ async def test_a_slot_another_key_took_is_never_read_for_the_old_one(tmp_path: P
         hs, data = hashes(2, 3), blocks(2, BIG.groups[0].block_bytes, seed=3)
         async with d.store(BIG) as a, d.store(BIG) as b:
             await a.put(0, hs, data)
+            a.stats()  # a round trip: a's commit (sent unanswered) is in before b's put
             others = hashes(BIG_SLOTS, 4)
             await b.put(0, others, blocks(BIG_SLOTS, BIG.groups[0].block_bytes, seed=4))  # evicts a's
             served = a._direct.served  # type: ignore[attr-defined]

@@ -489,12 +489,13 @@ def _alive(pid: int) -> bool:
 def test_the_busy_restore_benchmark_runs_and_its_helpers_read(tmp_path: Path) -> None:
     bench = Path(__file__).parent.parent / "bench" / "busy_restore.py"
     out = tmp_path / "busy.json"
-    res = subprocess.run([sys.executable, str(bench), "--blocks", "4", "--block-kib", "64", "--repeats", "1",
+    res = subprocess.run([sys.executable, str(bench), "--blocks", "16", "--block-kib", "64", "--repeats", "1",
                           "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     # the helpers read what the page cache holds: on a loaded machine the kernel may drop a record
-    # between the bench's warm-up read and the restore, and the tier's threads then read it
-    read = re.search(r"read by reader processes in the last round: (\d+) of 4", res.stdout)
+    # between the bench's warm-up read and the restore, and the tier's threads then read it (with
+    # 4 records, all four were once read so on a busy machine: 16 leave the helpers some)
+    read = re.search(r"read by reader processes in the last round: (\d+) of 16", res.stdout)
     assert read is not None and int(read.group(1)) >= 1, res.stdout[-2000:]
 
     rows = json.loads(out.read_text())["results"]

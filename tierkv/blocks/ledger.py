@@ -185,6 +185,19 @@ class BlockLedger:
             storing[k] = Storing(group, s, t)
         return got
 
+    def rekey(self, group: int, old: bytes, new: bytes) -> bool:
+        """A reservation made under ``old`` is for ``new`` (resident nowhere in the pool) from now
+        on, its slot unchanged; False, nothing changed, when ``old`` is not reserved or ``new``
+        is in the pool already."""
+        entry = self.storing.get(old)
+        if entry is None or entry.group != group or new in self.storing:
+            return False
+        if not self.pools[group].rekey(entry.slot, entry.token, old, new):
+            return False
+        del self.storing[old]
+        self.storing[new] = entry
+        return True
+
     def commit(self, group: int, keys: Sequence[bytes], success: bool,
                committed: Callable[[int, list[bytes], list[int]], None]) -> None:
         """The engine filled (``success``) or gave up reserved ``keys``: READY, or freed and

@@ -356,6 +356,18 @@ class SlotPool:
         self.refused += [(s, t, self.gen[s]) for s, t, f in zip(slots, tokens, ok, strict=True) if not f]
         return ok
 
+    def rekey(self, s: int, token: int, old: bytes, new: bytes) -> bool:
+        """A WRITING slot reserved under ``old`` (allocation ``token``) is to hold ``new`` (not
+        resident) instead; False, nothing changed, when either does not hold."""
+        if not self.owns(s, token) or self.slot_key[s] != old or new in self.index:
+            return False
+        del self.index[old]
+        self.index[new] = s
+        self.slot_key[s] = new
+        if self.table is not None:
+            self.table.allocated(s, new)  # still WRITING: its version is odd
+        return True
+
     def abandon(self, slots: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """A writer gives up: free each slot still its own (its key becomes invisible at once).
 

@@ -32,6 +32,7 @@ from tierkv.backends.base import Tier
 from tierkv.blocks.pool import PoolPlan
 from tierkv.config import StoreConfig
 from tierkv.daemon.direct import DirectReads, gather
+from tierkv.daemon.leases import Leases
 from tierkv.daemon.link import Link
 from tierkv.daemon.slots import DaemonSlots, user_request
 from tierkv.daemon.subscription import Subscription
@@ -76,6 +77,7 @@ class DaemonStore(TieredStore):
         self._local = {"put_blocks_dropped": 0, "lookups_unreachable": 0}
         self._slots = DaemonSlots(self._link)
         self._direct = DirectReads()
+        self._leases = Leases()
         self._feeds: list[Subscription] = []
         #: whether each of the daemon's lower tiers (1 first) keeps its data on this machine, as
         #: the daemon said when a tier event subscription last attached (empty before)
@@ -105,6 +107,7 @@ class DaemonStore(TieredStore):
         """Hang up: the daemon drops this store's pins and unfinished puts."""
         if self._open:
             self._report(force=True)
+            self._give_back()
         self._open = False
         self._link.close()
         self._slots.close()
@@ -159,7 +162,7 @@ class DaemonStore(TieredStore):
         several blocks to a record, as :meth:`TieredStore.put` (whole records only)."""
         keys, n = self._record_keys(group, hashes)
         src = self._units.rows(blocks, group, n, len(keys), "blocks", _CPU)
-        if not keys:
+        if not keys or self._put_leased(group, keys, src):
             return
         # the pool and the slot API name records; a staged write names the blocks (the store's put)
         msg = {"g": group, "h": [k[:-GROUP_BYTES].hex() for k in keys]}
@@ -196,6 +199,58 @@ class DaemonStore(TieredStore):
                 self._local["put_blocks_dropped"] += len(rows)
         if ok:
             self._slots.committed(group, [keys[i] for i in rows])
+            self._lease(group, len(keys))
+
+    def _put_leased(self, group: int, keys: list[bytes], src: torch.Tensor) -> bool:
+        """A put into slots leased to this store (:mod:`tierkv.daemon.leases`): copied at once,
+        then named; False, nothing done, when fewer slots are leased."""
+        at = self._link.current()
+        pool = at.pools.get(group) if at is not None else None
+        if at is None or pool is None:
+            return False
+        slots = self._leases.take(group, len(keys), at.generation)
+        if slots is None:
+            return False
+        ok = sent = False
+        try:
+            scatter_rows(pool, slots, src)
+            ok = True
+        finally:
+            more = self._leases.want(group, len(keys), at.generation) if ok else 0
+            msg = {"op": "adopt", "g": group, "h": [k[:-GROUP_BYTES].hex() for k in keys], "s": slots,
+                   "ok": ok, "lease": more}
+            with contextlib.suppress(TierUnavailable):
+                self._link.send_owing(msg, self._leases.on_answer(group, at.generation, more))
+                sent = True
+        if not (ok and sent):
+            self._local["put_blocks_dropped"] += len(keys)
+            return True
+        self._direct.learn(at.pool_id, keys, slots)
+        self._slots.committed(group, keys)
+        return True
+
+    def _lease(self, group: int, n: int) -> None:
+        """Ask for slots enough for the next puts of ``n`` records to copy at once (the answer is
+        read later, not waited for)."""
+        at = self._link.current()
+        if at is None:
+            return
+        more = self._leases.want(group, n, at.generation)
+        if more:
+            with contextlib.suppress(TierUnavailable):
+                self._link.send_owing({"op": "lease", "g": group, "n": more},
+                                      self._leases.on_answer(group, at.generation, more))
+
+    def _give_back(self) -> None:
+        """Return the slots leased to this store (the daemon would free them when the connection
+        dropped, but only ``drop_grace_s`` later)."""
+        self._link.settle()  # slots lent by answers not read yet are given back too
+        now = self._link.generation
+        for group, (generation, slots) in self._leases.held().items():
+            if generation == now and self._link.connected:
+                with contextlib.suppress(TierUnavailable):
+                    self._link.call({"op": "adopt", "g": group, "h": [], "s": [], "ok": False,
+                                     "free": slots, "nr": True}, reply=False, retry=False)
 
     def _write_staged(self, msg: dict[str, Any], off: int, src: torch.Tensor, block_bytes: int,
                       gen: int) -> None:

@@ -15,6 +15,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,8 @@ class Attachment:
     pool_id: str
     staging: torch.Tensor | None
     tables: dict[int, SlotTable] = field(default_factory=dict)
+    #: the connection's generation (see :attr:`Link.generation`)
+    generation: int = 0
 
 
 class Link:
@@ -90,6 +93,8 @@ class Link:
         self.staging: torch.Tensor | None = None
         #: each group's slot table, mapped (empty while not connected, or when not readable here)
         self.tables: dict[int, SlotTable] = {}
+        #: what to do with the answers of messages sent by :meth:`send_owing`, oldest first
+        self._owed: list[Callable[[dict[str, Any] | None], None]] = []
         #: names the pool of the current connection: the daemon's instance and its pool file ('' while
         #: not connected); slots mean something only within one pool id
         self.pool_id = ""
@@ -134,15 +139,63 @@ class Link:
         with self._lock:
             if self.generation != generation or self._sock is None:
                 return None
-            return Attachment(self.pools, self.pool_id, self.staging, self.tables)
+            return Attachment(self.pools, self.pool_id, self.staging, self.tables, generation)
 
     def current(self) -> Attachment | None:
-        """What the connection now up mapped, without a message; None when none is up or the daemon
-        hung up on it (found without waiting: the next call reconnects)."""
+        """What the connection now up mapped, without a message (answers owed that have arrived
+        are handed over first); None when none is up or the daemon hung up on it (found without
+        waiting: the next call reconnects)."""
         with self._lock:
-            if self._sock is None or _hung_up(self._sock):
+            sock = self._sock
+            if sock is None:
                 return None
-            return Attachment(self.pools, self.pool_id, self.staging, self.tables)
+            try:
+                self._settle(sock, wait=False)
+            except (OSError, TierUnavailable):
+                self._disconnect()
+                return None
+            if not self._owed and _hung_up(sock):
+                return None
+            return Attachment(self.pools, self.pool_id, self.staging, self.tables, self.generation)
+
+    def send_owing(self, msg: dict[str, Any], on_answer: Callable[[dict[str, Any] | None], None]) -> int:
+        """Send ``msg`` on the connection now up and go on: its answer is read later, before the
+        next message's on this connection (or by :meth:`current` once it is there), and handed to
+        ``on_answer`` (None when the connection went before it came; called under the link's
+        lock: it must not call the link). Returns the connection's generation;
+        :class:`TierUnavailable` when none is up or the send fails."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise TierUnavailable(f"tierkv daemon at {self.path} is not connected")
+            try:
+                sock.settimeout(self.timeout_s)
+                send_message(sock, msg)
+            except OSError as exc:
+                self._disconnect()
+                raise TierUnavailable(f"tierkv daemon at {self.path}: {exc}") from None
+            self._owed.append(on_answer)
+            return self.generation
+
+    def settle(self) -> None:
+        """Read every answer owed on the connection now up (waiting for them) and hand each over."""
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._settle(self._sock, wait=True)
+                except (OSError, TierUnavailable):
+                    self._disconnect()
+
+    def _settle(self, sock: socket.socket, wait: bool) -> None:
+        """Read the answers owed on ``sock`` (all of them, or with ``wait`` False those that have
+        arrived) and hand each over. A frame that is not an answer means the connection is broken."""
+        while self._owed and (wait or _hung_up(sock)):
+            sock.settimeout(self.timeout_s)
+            try:
+                answer = recv_message(sock)
+            except InvalidArgument as exc:
+                raise TierUnavailable(str(exc)) from None
+            self._owed.pop(0)(answer)
 
     def rows_of(self, pool_id: str) -> dict[int, torch.Tensor] | None:
         """The rows of the pool ``pool_id`` names: mapped by this process already, or the daemon's
@@ -157,6 +210,7 @@ class Link:
 
     def _exchange(self, sock: socket.socket, msg: dict[str, Any], reply: bool,
                   timeout_s: float | None) -> dict[str, Any]:
+        self._settle(sock, wait=True)
         sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
         send_message(sock, msg)
         if not reply:
@@ -233,6 +287,9 @@ class Link:
         self.pool_id = ""
         self.staging = None
         self.tables = {}
+        owed, self._owed = self._owed, []
+        for on_answer in owed:
+            on_answer(None)
 
     def close(self) -> None:
         """Hang up; no call connects again."""

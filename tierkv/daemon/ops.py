@@ -7,6 +7,7 @@ the daemon closes the connection), then returns the call that serves it on the c
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class Served:
     counts: dict[str, int] = field(default_factory=lambda: {"puts": 0, "put_blocks_dropped": 0})
     #: where each group's slot table lies in the ``.slots`` file: ``[group, byte offset, slots]``
     slot_tables: list[list[int]] = field(default_factory=list)
+    #: slots leased to connections now, per group (see ``_lease``)
+    leased: dict[int, int] = field(default_factory=dict)
     #: the store's blocks as its records (the pool and the slot API name records)
     units: RecordUnits = field(init=False)
 
@@ -59,6 +62,8 @@ class Conn:
     reserved: dict[int, set[bytes]] = field(default_factory=dict)
     #: staging ranges handed to it: offset -> bytes
     staged: dict[int, int] = field(default_factory=dict)
+    #: slots leased to it, per group: slot -> the stand-in key it is reserved under
+    leases: dict[int, dict[int, bytes]] = field(default_factory=dict)
 
 
 def let_go(conn: Conn) -> None:
@@ -77,9 +82,12 @@ def let_go(conn: Conn) -> None:
     if conn.served.staging is not None:
         for off, nbytes in conn.staged.items():
             conn.served.staging.give(off, nbytes)
+    for group, held in conn.leases.items():
+        conn.served.leased[group] = conn.served.leased.get(group, 0) - len(held)
     conn.requests.clear()
     conn.reserved.clear()
     conn.staged.clear()
+    conn.leases.clear()
 
 
 # ---- message fields: a wrong one raises InvalidArgument (the connection is closed) ------------
@@ -258,6 +266,78 @@ def _commit(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) ->
     return call
 
 
+#: a connection holds at most this share of a pool's slots in leases, all connections this one
+LEASE_SHARE_CONN = 8
+LEASE_SHARE_ALL = 4
+
+
+def _count(msg: dict[str, Any], name: str) -> int:
+    n = msg.get(name, 0)
+    if type(n) is not int or not 0 <= n <= 1 << 20:
+        raise InvalidArgument(f"{name} must be a count")
+    return n
+
+
+def _take_lease(conn: Conn, served: Served, g: int, n: int) -> list[int]:
+    """``n`` WRITING slots of group ``g`` for the connection to fill before it names their keys
+    (:func:`_adopt`), reserved under stand-in keys; none when the lease limits or the pool's room
+    would not give all of them (a pool much larger than the puts lends; a small one does not)."""
+    size = next((p[2] for p in served.pools if p[0] == g), 0)
+    held = conn.leases.setdefault(g, {})
+    room = min(size // LEASE_SHARE_CONN - len(held), size // LEASE_SHARE_ALL - served.leased.get(g, 0))
+    if not 0 < n <= room:
+        return []
+    tail = g.to_bytes(GROUP_BYTES, "big")
+    keys = [b"\xfftierkv-lease:" + os.urandom(16) + tail for _ in range(n)]  # no block's hash
+    got = served.store.engine.reserve(g, keys)
+    if got is None:
+        return []
+    slots = [s for s in got.slots if s is not None]
+    conn.reserved.setdefault(g, set()).update(keys)
+    held.update(zip(slots, keys, strict=True))
+    served.leased[g] = served.leased.get(g, 0) + len(slots)
+    return slots
+
+
+def _lease(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
+    """Slots leased to the connection: a put into them needs no round trip before its copy."""
+    g, n = _group(msg), _count(msg, "n")
+    served.store.layout.group(g)
+    return lambda: {"slots": _take_lease(conn, served, g, n)}
+
+
+def _adopt(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
+    """A put into leased slots: ``s[i]`` holds the record ``h[i]`` (READY from now on, unless the
+    pool holds that record already: the slot is freed then); the slots of ``free`` are given back
+    unwritten; with ``lease``, that many slots more are leased."""
+    g, h, ok, want = _group(msg), _hashes(msg), msg.get("ok"), _count(msg, "lease")
+    slots, free = msg.get("s"), msg.get("free", [])
+    if type(ok) is not bool:
+        raise InvalidArgument("ok must be true or false")
+    if not isinstance(slots, list) or len(slots) != len(h) or any(type(s) is not int for s in slots):
+        raise InvalidArgument("s (the slots) must be a list of ints, one per hash")
+    if not isinstance(free, list) or any(type(s) is not int for s in free):
+        raise InvalidArgument("free (slots given back) must be a list of ints")
+
+    def call() -> dict[str, Any]:
+        held = conn.leases.get(g, {})
+        pairs = [(held.pop(s), k) for s, k in zip(slots, _keys(g, h), strict=True) if s in held]
+        back = [held.pop(s) for s in free if s in held]
+        conn.reserved.get(g, set()).difference_update([old for old, _ in pairs] + back)
+        served.leased[g] = served.leased.get(g, 0) - len(pairs) - len(back)
+        if back:
+            served.store.engine.commit(g, back, success=False)
+        if h:
+            served.counts["puts"] += 1
+            served.counts["put_blocks_dropped"] += len(h) - len(pairs)  # slots it did not hold
+        adopted = served.store.engine.adopt(g, pairs, success=ok) if pairs else []
+        answer: dict[str, Any] = {"n": len(adopted)}
+        if want:
+            answer["slots"] = _take_lease(conn, served, g, want)
+        return answer
+    return call
+
+
 def _write(on_loop: OnLoop, conn: Conn, served: Served, msg: dict[str, Any]) -> Call:
     """Store blocks a client copied into its staging range (a put that found no room), then free it."""
     g, h, off = _group(msg), _hashes(msg), msg.get("off")
@@ -302,5 +382,6 @@ HANDLERS: dict[str, Callable[[OnLoop, Conn, Served, dict[str, Any]], Call]] = {
     "lookup": _lookup, "prefix": _prefix, "pin": _pin, "unpin": _unpin, "release": _release,
     "reserve": _reserve, "commit": _commit, "stats": _stats, "flush": _flush,
     "state": _state, "states": _states, "clear": _clear, "touch": _touch, "write": _write,
+    "lease": _lease, "adopt": _adopt,
     "ping": lambda *_: lambda: {},
 }

@@ -197,6 +197,23 @@ class EngineSlots:
         self._pool(group)
         self._ledger.commit(group, keys, success, self._committed)
 
+    @locked
+    def adopt(self, group: int, pairs: list[tuple[bytes, bytes]], success: bool = True) -> list[bytes]:
+        """Commit slots reserved under stand-in keys as the blocks their engine wrote into them:
+        for each ``(stand_in, key)``, the slot becomes READY under ``key``, as :meth:`commit` makes
+        it; a stand-in whose key is held already (ready or in flight), or all of them without
+        ``success``, is freed unwritten. Returns the keys adopted."""
+        self._pool(group)
+        ledger = self._ledger
+        adopted = [key for old, key in pairs if success and ledger.rekey(group, old, key)]
+        taken = set(adopted)
+        dropped = [old for old, key in pairs if key not in taken]
+        if dropped:
+            ledger.commit(group, dropped, False, self._committed)
+        if adopted:
+            ledger.commit(group, adopted, True, self._committed)
+        return adopted
+
     def pool_of(self, request_id: str) -> str:
         """The pool whose rows :meth:`ready_slots` numbers for the request: '' (the store's own)."""
         return ""
