@@ -15,6 +15,7 @@ client closes or its connection drops.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class Leases:
 
     def __init__(self) -> None:
         self._by_group: dict[int, _Lease] = {}
+        #: a slot is handed out once, whichever threads put at the same time
+        self._lock = threading.Lock()
 
     def _of(self, group: int, generation: int) -> _Lease:
         lease = self._by_group.get(group)
@@ -44,36 +47,40 @@ class Leases:
 
     def take(self, group: int, n: int, generation: int) -> list[int] | None:
         """``n`` leased slots of connection ``generation`` (handed out once), or None when it has fewer."""
-        lease = self._of(group, generation)
-        if len(lease.slots) < n:
-            return None
-        got = lease.slots[:n]
-        del lease.slots[:n]
-        return got
+        with self._lock:
+            lease = self._of(group, generation)
+            if len(lease.slots) < n:
+                return None
+            got = lease.slots[:n]
+            del lease.slots[:n]
+            return got
 
     def want(self, group: int, n: int, generation: int) -> int:
         """How many slots to ask for so that about ``2 * n`` are leased or on their way (counted as
         asked for now)."""
-        lease = self._of(group, generation)
-        more = 0 if lease.refused else max(0, 2 * n - len(lease.slots) - lease.asked)
-        lease.asked += more
-        return more
+        with self._lock:
+            lease = self._of(group, generation)
+            more = 0 if lease.refused else max(0, 2 * n - len(lease.slots) - lease.asked)
+            lease.asked += more
+            return more
 
     def on_answer(self, group: int, generation: int, asked: int) -> Callable[[dict[str, Any] | None], None]:
         """What to do with the answer to a message that asked for ``asked`` slots."""
         def landed(answer: dict[str, Any] | None) -> None:
-            lease = self._by_group.get(group)
-            if lease is None or lease.generation != generation:
-                return
-            lease.asked = max(0, lease.asked - asked)
-            got = answer.get("slots") if answer is not None else None
-            if isinstance(got, list):
-                lease.slots += [s for s in got if type(s) is int]
-                lease.refused |= asked > 0 and not got
+            with self._lock:
+                lease = self._by_group.get(group)
+                if lease is None or lease.generation != generation:
+                    return
+                lease.asked = max(0, lease.asked - asked)
+                got = answer.get("slots") if answer is not None else None
+                if isinstance(got, list):
+                    lease.slots += [s for s in got if type(s) is int]
+                    lease.refused |= asked > 0 and not got
         return landed
 
     def held(self) -> dict[int, tuple[int, list[int]]]:
         """Every group's leased slots and their connection's generation (and forgets them)."""
-        out = {g: (lease.generation, lease.slots) for g, lease in self._by_group.items() if lease.slots}
-        self._by_group.clear()
-        return out
+        with self._lock:
+            out = {g: (lease.generation, lease.slots) for g, lease in self._by_group.items() if lease.slots}
+            self._by_group.clear()
+            return out
