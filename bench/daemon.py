@@ -1,7 +1,7 @@
 """The tierkv daemon against an in-process store: lookup latency, put/get rates, shared memory.
 
     python bench/daemon.py [--block-kib 256] [--blocks 64] [--lookups 3000] [--engines 4]
-                           [--pool-mib 1024] [--threads N] [--steps] [--json]
+                           [--pool-mib 1024] [--threads N] [--steps] [--leases] [--json]
 
 Starts ``tierkv serve`` on a temporary socket (pool in ``/dev/shm``, no lower tier) and, in this
 process, a store with ``daemon:`` set beside an in-process store with a CPU pool of the same size
@@ -16,7 +16,9 @@ Three rounds, each timing both stores alternately; every figure is the median of
   it once, where in-process stores hold a copy each;
 * with ``--steps``, where a daemon ``get``'s time goes: medians of 300 of each step of one call
   (a ``ping`` round trip, the ``pin`` round trip, the copy out of the mapped pool, the unpin sent
-  without waiting, and the whole ``get``), timed in the client.
+  without waiting, and the whole ``get``), timed in the client;
+* with ``--leases``, puts through the daemon with leased slots against puts with the client's lease
+  requests switched off, and in-process, alternating: five rounds of 25 puts.
 """
 
 from __future__ import annotations
@@ -140,7 +142,36 @@ async def run(args: argparse.Namespace, sock: str, layout: Layout, capacity: int
     if args.steps:
         async with TieredStore(remote) as store:
             res["steps_us"] = await steps(store, n, bb)
+    if args.leases:
+        res["leases_put_ms"] = await leases_ab(remote, local, n, bb)
     return res
+
+
+async def leases_ab(remote: dict[str, Any], local: dict[str, Any], n: int, bb: int,
+                    rounds: int = 5) -> dict[str, list[float]]:
+    """Put medians (ms, 25 puts each) through the daemon with leased slots and without them (the
+    client's lease requests switched off: this reaches into the client), and in-process,
+    alternating, ``rounds`` times."""
+    from tierkv.daemon.client import DaemonStore
+
+    data = torch.randint(0, 256, (n, bb), dtype=torch.uint8)
+    asks = DaemonStore._lease
+    out: dict[str, list[float]] = {"leased": [], "not leased": [], "in-process": []}
+    try:
+        for r in range(rounds):
+            for name, cfg in (("leased", remote), ("not leased", remote), ("in-process", local)):
+                DaemonStore._lease = asks if name == "leased" else (lambda *_: None)  # type: ignore[method-assign]
+                async with TieredStore(cfg) as store:
+                    samples = []
+                    for i in range(-2, 25):  # two warm-ups: the first put asks for the lease
+                        t0 = time.perf_counter()
+                        await store.put(0, keys(n, f"ab{r}-{name}-{i}"), data)
+                        if i >= 0:
+                            samples.append(time.perf_counter() - t0)
+                    out[name].append(statistics.median(samples) * 1e3)
+    finally:
+        DaemonStore._lease = asks  # type: ignore[method-assign]
+    return out
 
 
 async def steps(store: TieredStore, n: int, bb: int, calls: int = 300) -> dict[str, float]:
@@ -186,6 +217,8 @@ def main() -> int:
     ap.add_argument("--lookups", type=benchmain.positive, default=3000)
     ap.add_argument("--engines", type=benchmain.positive, default=4)
     ap.add_argument("--steps", action="store_true", help="also time the steps of one daemon get")
+    ap.add_argument("--leases", action="store_true",
+                    help="also time puts through the daemon with and without leased slots, 5 rounds")
     ap.add_argument("--pool-mib", type=benchmain.positive, default=1024,
                     help="each store's CPU pool (at least 4 puts' worth)")
     ap.add_argument("--threads", type=benchmain.positive, default=None,
@@ -219,6 +252,11 @@ def main() -> int:
     mib = {k: m[k] / 2**20 for k in ("prefix_bytes", "daemon_pool_bytes", "in_process_pool_bytes")}
     print(f"{m['engines']} engines putting one {mib['prefix_bytes']:.0f} MiB prefix: daemon pool "
           f"{mib['daemon_pool_bytes']:.0f} MiB, in-process pools {mib['in_process_pool_bytes']:.0f} MiB")
+    if "leases_put_ms" in res:
+        ab = res["leases_put_ms"]
+        for name in ("leased", "not leased"):
+            ratios = " ".join(f"{p / d:.2f}" for d, p in zip(ab[name], ab["in-process"], strict=True))
+            print(f"put through the daemon, {name}: x in-process per round {ratios}")
     if "steps_us" in res:
         parts = ", ".join(f"{k} {v:.0f}" for k, v in res["steps_us"].items())
         print(f"one daemon get, medians (us): {parts}")
