@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import enum
-import mmap
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel
 
-from tierkv.blocks import sharedmem
 from tierkv.blocks.policy import EvictionPolicy, make_policy
+from tierkv.blocks.poolmemory import allocate_pool_tensor, shared_pool_tensors
 from tierkv.blocks.slottable import SlotTable
 from tierkv.errors import CapacityError, InvalidArgument
 from tierkv.layout import Layout
@@ -145,52 +143,6 @@ def plan_pools(
                              bytes=n * spec.block_bytes, floor=floors[g], reason=why)
     return PoolPlan(capacity_bytes=capacity_bytes, max_concurrent_requests=max_concurrent_requests,
                     groups=[plans[g] for g in cacheable])
-
-
-def allocate_pool_tensor(rows: int, row_bytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """A ``[rows, row_bytes]`` uint8 tensor; pinned when it is on the CPU and CUDA is present.
-
-    Returns the tensor (zero-filled, so its pages are in place) and whether it is pinned. Pinning
-    falls back to plain memory when it fails.
-    """
-    if device.type == "cpu" and torch.cuda.is_available():
-        try:
-            return torch.zeros((rows, row_bytes), dtype=torch.uint8, pin_memory=True), True
-        except RuntimeError:
-            pass
-    # zeroed, not empty: every page is faulted in now, not on a request's first restore
-    return torch.zeros((rows, row_bytes), dtype=torch.uint8, device=device), False
-
-
-SHM_ALIGN = 4096
-
-
-def shared_pool_tensors(path: str, plan: PoolPlan) -> dict[int, torch.Tensor]:
-    """The plan's pools as views of one file mapped shared (e.g. under ``/dev/shm``).
-
-    Every process that opens the same path with the same plan sees the same bytes; the file is
-    created, or resized to what the plan needs (a stale file of another size is fixed, not fatal).
-    Group ``g``'s pool starts at the sum of the earlier groups' bytes, each rounded up to 4 KiB.
-    The mapping is populated now (``MAP_POPULATE``: the file's pages allocated and mapped into
-    this process), as a private pool is zero-filled: a first restore into never-touched shared
-    pages ran at a tenth of the speed of one into mapped pages, a page fault every 4 KiB. The
-    mapping is registered in :mod:`tierkv.blocks.sharedmem`, so reader processes can read into it.
-    """
-    offsets, total = {}, 0
-    for g in plan.groups:
-        offsets[g.group] = total
-        total += -(-g.bytes // SHM_ALIGN) * SHM_ALIGN
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size != total:
-            os.ftruncate(fd, total)
-        mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        sharedmem.register(mapped, fd)
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    return {g.group: flat[offsets[g.group]:offsets[g.group] + g.bytes].view(g.slots, g.block_bytes)
-            for g in plan.groups}
 
 
 class SlotPool:
