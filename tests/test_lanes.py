@@ -1,4 +1,5 @@
-"""Loads never queue behind stores (#50): a file tier's writes have threads of their own.
+"""Loads never queue behind stores (#50): a file tier's writes have threads of their own, at a
+lower CPU priority, and a put copies outside the store's lock (and its caller's event loop).
 
 With one pool of worker threads for both directions, a burst of stores (a cascade of a long
 prefix) filled the threads' queue and a restore waited behind every write ahead of it.
@@ -6,6 +7,8 @@ prefix) filled the threads' queue and a restore waited behind every write ahead 
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +19,10 @@ import torch
 from helpers import FULL, blocks, hashes
 
 from tierkv import GroupSpec, Layout, TieredStore
-from tierkv.backends.fsspec._local import LocalDriver
+from tierkv.backends.fsspec._local import WRITE_NICE, LocalDriver
+from tierkv.blocks.pool import SlotPool
+from tierkv.movement import writer
+from tierkv.movement.lookup import Lookup
 
 BB = 4096
 LAYOUT = Layout(tokens_per_block=16, groups=[GroupSpec(kind="full", block_bytes=BB)])
@@ -65,3 +71,104 @@ async def test_a_restore_does_not_wait_for_stores_stuck_in_the_tier(tmp_path: Pa
     finally:
         gate.set()
     assert took < 5
+
+
+def _cpu_only(slots: int = 64) -> dict[str, object]:
+    return {"layout": LAYOUT, "namespace": "lanes", "tiers": [{"kind": "cpu", "slots": {FULL: slots}}]}
+
+
+@pytest.mark.anyio
+async def test_a_put_copies_without_holding_the_store_or_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large put copies on a worker thread, outside the store's lock: gets and lookups of other
+    blocks go on meanwhile, and its own blocks are PENDING until the copy is done."""
+    monkeypatch.setattr(writer, "THREAD_BYTES", 16 * BB)
+    held, new = hashes(8, doc=3), hashes(16, doc=4)
+    data_held, data_new = blocks(8, BB, seed=3), blocks(16, BB, seed=4)
+    copying, gate = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    pool_write = SlotPool.write
+
+    def slow_write(self: SlotPool, slots: list[int], src: torch.Tensor) -> None:
+        if len(slots) == len(new):
+            copying.set()
+            waited.append(gate.wait(10))
+        pool_write(self, slots, src)
+
+    monkeypatch.setattr(SlotPool, "write", slow_write)
+    async with TieredStore(_cpu_only()) as store:
+        await store.put(FULL, held, data_held)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.put, FULL, new, data_new)
+            assert await anyio.to_thread.run_sync(copying.wait, 10)
+            out = torch.empty(len(held), BB, dtype=torch.uint8)
+            with anyio.fail_after(5):
+                await store.get(FULL, held, out)  # the loop and the lock are free
+            assert torch.equal(out, data_held)
+            assert set(store.lookup(FULL, new)) == {Lookup.PENDING}, "half-copied blocks are never HIT"
+            reading = torch.empty(len(new), BB, dtype=torch.uint8)
+            async with anyio.create_task_group() as readers:
+                readers.start_soon(store.get, FULL, new, reading)  # waits for the copy to end
+                await anyio.sleep(0.05)
+                gate.set()
+        assert waited == [True], "the copy ran while the other calls were served"
+        assert torch.equal(reading, data_new)
+        assert set(store.lookup(FULL, new)) == {Lookup.HIT}
+
+
+@pytest.mark.anyio
+async def test_a_put_whose_copy_fails_frees_its_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    new = hashes(4, doc=5)
+
+    def broken(self: SlotPool, slots: list[int], src: torch.Tensor) -> None:
+        raise RuntimeError("copy failed")
+
+    async with TieredStore(_cpu_only()) as store:
+        with monkeypatch.context() as m:
+            m.setattr(SlotPool, "write", broken)
+            with pytest.raises(RuntimeError, match="copy failed"):
+                await store.put(FULL, new, blocks(4, BB, seed=5))
+        assert set(store.lookup(FULL, new)) == {Lookup.MISS}
+        assert store.stats().groups[FULL].writing == 0
+        assert store.check() == []
+        await store.put(FULL, new, blocks(4, BB, seed=5))  # the same keys can be stored after
+        assert set(store.lookup(FULL, new)) == {Lookup.HIT}
+
+
+@pytest.mark.anyio
+async def test_a_put_cancelled_during_its_copy_is_stored_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "THREAD_BYTES", 4 * BB)
+    new, data = hashes(16, doc=6), blocks(16, BB, seed=6)
+    copying, gate = threading.Event(), threading.Event()
+    pool_write = SlotPool.write
+
+    def slow_write(self: SlotPool, slots: list[int], src: torch.Tensor) -> None:
+        copying.set()
+        gate.wait(10)
+        pool_write(self, slots, src)
+
+    monkeypatch.setattr(SlotPool, "write", slow_write)
+    async with TieredStore(_cpu_only()) as store:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.put, FULL, new, data)
+            assert await anyio.to_thread.run_sync(copying.wait, 10)
+            tg.cancel_scope.cancel()
+            gate.set()
+        out = torch.empty(len(new), BB, dtype=torch.uint8)
+        await store.get(FULL, new, out)
+        assert torch.equal(out, data)
+        assert store.stats().groups[FULL].writing == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+@pytest.mark.anyio
+async def test_the_file_tiers_writing_threads_yield_the_cpu_to_its_reading_threads(tmp_path: Path) -> None:
+    async with TieredStore(config(tmp_path)) as store:
+        await store.put(FULL, hashes(8, doc=7), blocks(8, BB, seed=7))
+        await store.flush()
+        store.engine.clear()
+        await store.get(FULL, hashes(8, doc=7), torch.empty(8, BB, dtype=torch.uint8))
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        nice = {t.name.rsplit("_", 1)[0]: os.getpriority(os.PRIO_PROCESS, t.native_id or 0)
+                for t in threading.enumerate() if t.name.startswith("tierkv-io")}
+    assert nice["tierkv-io-write"] == min(19, base + WRITE_NICE)
+    assert nice["tierkv-io"] == base, "reads keep the process's priority"

@@ -41,7 +41,7 @@ from tierkv.movement.engine import EngineSlots, Reservation, pool_for
 from tierkv.movement.gateway import TierGateway
 from tierkv.movement.lookup import KeyState, Lookup, PrefixLookup
 from tierkv.movement.parts import Parts
-from tierkv.movement.writer import place_blocks
+from tierkv.movement.writer import put_blocks
 from tierkv.observing.events import ListenerThread, subscribe
 from tierkv.observing.exporter import start_metrics
 from tierkv.observing.metrics import HISTOGRAMS, GroupStats, StoreStats, TierStats
@@ -218,14 +218,12 @@ class TieredStore:
         look up as MISS (the engine recomputes them, fewer than ``N`` blocks).
         """
         with self._lock:
-            self._put(group, hashes, blocks)
-
-    def _put(self, group: int, hashes: Sequence[bytes], blocks: torch.Tensor) -> None:
-        pool, keys, n = self._keys(group, hashes)
-        src = self._units.rows(blocks, group, n, len(keys), "blocks", pool.device)
-        self._counts["puts"] += 1
-        parts = self._wired()
-        place_blocks(parts.ledger, group, keys, src, parts.cascader, parts.committed, self._counts)
+            pool, keys, n = self._keys(group, hashes)
+            src = self._units.rows(blocks, group, n, len(keys), "blocks", pool.device)
+            self._counts["puts"] += 1
+            parts = self._wired()
+        await put_blocks(self._lock, parts.ledger, group, keys, src, parts.cascader, parts.committed,
+                         self._counts)
 
     async def flush(self) -> None:
         """Wait until every admitted cascade has finished (or failed, counted in ``stats()``), then

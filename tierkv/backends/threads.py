@@ -11,6 +11,8 @@ one behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -28,8 +30,9 @@ _STOP = object()
 class DaemonPool:
     """``submit(fn)`` -> :class:`~concurrent.futures.Future`, on up to ``max_workers`` daemon threads."""
 
-    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+    def __init__(self, max_workers: int, thread_name_prefix: str, nice: int = 0) -> None:
         self.max_workers = max(1, max_workers)
+        self._nice = nice
         self._prefix = thread_name_prefix
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -52,6 +55,8 @@ class DaemonPool:
         return fut
 
     def _work(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -90,6 +95,14 @@ class DaemonPool:
     def busy(self) -> bool:
         """True while a thread of the pool is alive (after :meth:`shutdown`: still ending)."""
         return any(t.is_alive() for t in self._threads)
+
+
+def lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps less favoured by the CPU scheduler (Linux: each
+    thread has its own nice value; elsewhere, or when refused, nothing changes)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -65,6 +65,8 @@ HELPER_REQUEST_BYTES = 4 << 20
 #: with direct I/O on, records of at least this many bytes are written past the page cache;
 #: smaller ones cost more in their system calls than in their copy, and stay buffered
 DIRECT_MIN_BYTES = 64 << 10
+#: the writing threads' nice increment: restores (reads) get the CPU first when both want it
+WRITE_NICE = 10
 
 
 def _chunks(n: int, parts: int) -> list[range]:
@@ -274,7 +276,7 @@ class LocalDriver(Driver):
     def _write_pool(self) -> DaemonPool:
         with self._count_lock:
             if self._writes is None:
-                self._writes = DaemonPool(self.threads, "tierkv-io-write")
+                self._writes = DaemonPool(self.threads, "tierkv-io-write", nice=WRITE_NICE)
             return self._writes
 
     async def read_records(self, paths: list[str], limit: int, job: Callable[[int, RecordSource], R],
