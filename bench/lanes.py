@@ -115,20 +115,22 @@ async def one_round(block: int, restores: int, rate_mib: int) -> dict[str, float
                 raw_dir = tempfile.mkdtemp(dir=d)
                 writer = threading.Thread(target=raw_writer, args=(raw_dir, block, period, ran, stop),
                                           daemon=True)
-                async with anyio.create_task_group() as tg:
-                    if mode == "burst":
-                        tg.start_soon(burst, done, ran)
-                    elif mode == "raw":
-                        writer.start()
-                    if mode != "idle":
-                        await anyio.sleep(0.05)
-                    t0, n0 = time.perf_counter(), ran[0]
-                    lat = await timed_restores(store, prefixes, out)
-                    rate = (ran[0] - n0) * block / (time.perf_counter() - t0) / (1 << 20)
-                    done.set()
+                try:
+                    async with anyio.create_task_group() as tg:
+                        if mode == "burst":
+                            tg.start_soon(burst, done, ran)
+                        elif mode == "raw":
+                            writer.start()
+                        if mode != "idle":
+                            await anyio.sleep(0.05)
+                        t0, n0 = time.perf_counter(), ran[0]
+                        lat = await timed_restores(store, prefixes, out)
+                        rate = (ran[0] - n0) * block / (time.perf_counter() - t0) / (1 << 20)
+                        done.set()
+                finally:  # the writer ends before its directory goes, Ctrl-C included
                     stop.set()
-                if mode == "raw":
-                    writer.join()
+                    if writer.is_alive():
+                        writer.join()
                 if mode != "idle":
                     result[f"{mode}_mib_s"] = rate
                 result[f"{mode}_p50_ms"] = pct(lat, 0.5) * 1e3
