@@ -56,7 +56,7 @@ class DaemonPool:
 
     def _work(self) -> None:
         if self._nice:
-            lower_priority(self._nice)
+            _lower_priority(self._nice)
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -97,7 +97,7 @@ class DaemonPool:
         return any(t.is_alive() for t in self._threads)
 
 
-def lower_priority(nice: int) -> None:
+def _lower_priority(nice: int) -> None:
     """Make the calling thread ``nice`` steps less favoured by the CPU scheduler (Linux: each
     thread has its own nice value; elsewhere, or when refused, nothing changes)."""
     tid = threading.get_native_id()

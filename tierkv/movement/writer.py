@@ -20,7 +20,7 @@ from tierkv.blocks.ledger import BlockLedger
 from tierkv.movement.cascade import Cascader
 from tierkv.tensors import take_rows
 
-__all__ = ["THREAD_BYTES", "put_blocks", "put_blocks_now"]
+__all__ = ["THREAD_BYTES", "put_blocks"]
 
 #: puts of this many bytes or more copy on a worker thread (a hand-off costs tens of microseconds)
 THREAD_BYTES = 4 << 20
@@ -30,19 +30,18 @@ async def put_blocks(lock: threading.RLock, ledger: BlockLedger, group: int, key
                      src: torch.Tensor, cascader: Cascader,
                      committed: Callable[[int, list[bytes], list[int]], None],
                      counts: dict[str, int]) -> None:
-    """:func:`put_blocks_now`, on a worker thread when ``src`` is large (the call ends, commit
-    included, even when the caller is cancelled meanwhile)."""
+    """Store rows ``src[i]`` as ``keys[i]`` (see :func:`_put_now`), on a worker thread when
+    ``src`` is large (the call ends, commit included, even when the caller is cancelled meanwhile)."""
     args = (lock, ledger, group, keys, src, cascader, committed, counts)
     if src.device.type == "cpu" and src.numel() * src.element_size() >= THREAD_BYTES:
-        await anyio.to_thread.run_sync(put_blocks_now, *args)
+        await anyio.to_thread.run_sync(_put_now, *args)
     else:
-        put_blocks_now(*args)
+        _put_now(*args)
 
 
-def put_blocks_now(lock: threading.RLock, ledger: BlockLedger, group: int, keys: list[bytes],
-                   src: torch.Tensor, cascader: Cascader,
-                   committed: Callable[[int, list[bytes], list[int]], None],
-                   counts: dict[str, int]) -> None:
+def _put_now(lock: threading.RLock, ledger: BlockLedger, group: int, keys: list[bytes],
+             src: torch.Tensor, cascader: Cascader,
+             committed: Callable[[int, list[bytes], list[int]], None], counts: dict[str, int]) -> None:
     """Store rows ``src[i]`` as ``keys[i]`` (the caller does not hold ``lock``); blocks already
     held are only touched. ``committed(group, keys, slots)`` is told of the blocks that became
     READY; ``counts`` gets ``put_blocks_direct`` and ``put_blocks_dropped``."""
