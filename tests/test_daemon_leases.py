@@ -1,11 +1,12 @@
 """Puts through the daemon into leased slots: copied before the daemon is asked anything, named
 after; served to every client as any put; a block the pool holds already is not replaced; what a
-closed or killed client held goes back to the pool; small pools lend nothing."""
+closed, killed or idle client held goes back to the pool; small pools lend nothing."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from tests.helpers import blocks, hashes
 from tests.test_daemon import BIG, ENV, ROOT, Daemon, hello, raw, refused
 from tierkv import GroupSpec, Layout, Lookup, TieredStore
+from tierkv.daemon import leases
 from tierkv.daemon.protocol import encode, recv_message
 
 pytestmark = pytest.mark.anyio
@@ -171,5 +173,50 @@ async def test_a_bad_lease_message_is_refused_and_the_daemon_serves_on(tmp_path:
         async with d.store(MID) as store:
             await store.put(0, hashes(1, 40), blocks(1, BB, seed=40))
             assert store.lookup(0, hashes(1, 40)) == [Lookup.HIT]
+    finally:
+        assert d.stop()[0] == 0
+
+
+def lease_watchers() -> int:
+    return sum(t.name == "tierkv-lease-idle" for t in threading.enumerate())
+
+
+async def test_an_idle_client_gives_its_leased_slots_back_and_a_busy_one_keeps_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leases, "IDLE_S", 0.5)
+    d = Daemon(tmp_path).start()
+    try:
+        async with d.store(MID) as a, d.store(MID) as b:
+            await a.put(0, hashes(4, 50), blocks(4, BB, seed=50))  # reserve, then a lease
+            a.stats()  # a round trip: the lease's answer is in
+            assert writing(b) > 0 and lease_watchers() == 1
+            sent = ops_sent(a)
+            t0, n = time.monotonic(), 0
+            while time.monotonic() - t0 < 3 * leases.IDLE_S:  # busy: a put every 0.1 s
+                await a.put(0, hashes(4, 100 + n), blocks(4, BB, seed=100 + n))
+                a.stats()
+                n += 1
+                time.sleep(0.1)
+            assert sent.count("adopt") == n and "reserve" not in sent, f"a busy client lost its lease: {sent}"
+            deadline = time.monotonic() + 20
+            while writing(b):
+                assert time.monotonic() < deadline, "an idle client kept its leased slots"
+                time.sleep(0.05)
+            while lease_watchers():
+                assert time.monotonic() < deadline, "the watching thread outlived the lease"
+                time.sleep(0.05)
+            for i in range(max(0, n - 4), n):  # the blocks last put stay served (64 slots in all)
+                assert b.lookup(0, hashes(4, 100 + i)) == [Lookup.HIT] * 4
+            sent.clear()
+            data = blocks(4, BB, seed=70)
+            await a.put(0, hashes(4, 70), data)  # no lease now: reserve first, then lease again
+            assert sent[0] == "reserve", sent
+            a.stats()
+            assert writing(b) > 0, "a client that puts again is not lent slots again"
+            out = torch.zeros_like(data)
+            await b.get(0, hashes(4, 70), out)
+            assert torch.equal(out, data)
+            assert not a.check() and not b.check()
+        assert lease_watchers() == 0
     finally:
         assert d.stop()[0] == 0

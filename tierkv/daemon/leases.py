@@ -10,7 +10,10 @@ one connection, and all of them, may hold (``LEASE_SHARE_CONN``, ``LEASE_SHARE_A
 :mod:`tierkv.daemon.ops`: an eighth of the pool, a quarter), so only a pool much larger than the
 puts lends. A client the daemon refused does not ask again on that connection. Leased slots are
 WRITING: no lookup sees them, eviction does not take them, and the daemon frees them when the
-client closes or its connection drops.
+client closes or its connection drops. A client that has not put for :data:`IDLE_S` seconds gives
+its leased slots back (:class:`~tierkv.daemon.puts.DaemonPuts` watches the clock on a thread of
+its own), so an idle engine does not keep a share of the shared pool from the others; only the
+client can, since only it knows which slots it is copying into. Its next put asks again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Leases"]
+__all__ = ["IDLE_S", "Leases"]
+
+#: seconds without a put after which a client gives its leased slots back
+IDLE_S = 5.0
 
 
 @dataclass
@@ -77,6 +83,20 @@ class Leases:
                     lease.slots += [s for s in got if type(s) is int]
                     lease.refused |= asked > 0 and not got
         return landed
+
+    def busy(self) -> bool:
+        """Whether slots are leased, or asked for and not answered yet."""
+        with self._lock:
+            return any(lease.slots or lease.asked for lease in self._by_group.values())
+
+    def take_all(self) -> dict[int, tuple[int, list[int]]]:
+        """Every group's leased slots and their connection's generation, handed out (the answers
+        still owed add to the lease as they come)."""
+        with self._lock:
+            out = {g: (lease.generation, lease.slots) for g, lease in self._by_group.items() if lease.slots}
+            for lease in self._by_group.values():
+                lease.slots = []
+            return out
 
     def held(self) -> dict[int, tuple[int, list[int]]]:
         """Every group's leased slots and their connection's generation (and forgets them)."""

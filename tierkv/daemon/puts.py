@@ -4,10 +4,13 @@ reserved for the call, else through the daemon's staging file; each dropped one 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Any
 
 import torch
 
+from tierkv.daemon import leases as _leases
 from tierkv.daemon.direct import DirectReads
 from tierkv.daemon.leases import Leases
 from tierkv.daemon.link import Link
@@ -32,11 +35,17 @@ class DaemonPuts:
         self._direct = direct
         self._local = local
         self._leases = Leases()
+        self._last_put = time.monotonic()
+        self._watch_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def put(self, group: int, hashes: list[bytes], keys: list[bytes], src: torch.Tensor) -> None:
         """Store ``src`` (a row per record of ``keys``; ``hashes`` are the blocks, checked) in the
         daemon's pool: into leased slots, else reserved ones, else through the staging file."""
+        self._last_put = time.monotonic()
         if self._put_leased(group, keys, src):
+            self._watch_idle()
             return
         # the pool and the slot API name records; a staged write names the blocks (the store's put)
         msg = {"g": group, "h": [k[:-GROUP_BYTES].hex() for k in keys]}
@@ -74,6 +83,7 @@ class DaemonPuts:
         if ok:
             self._slots.committed(group, [keys[i] for i in rows])
             self._lease(group, len(keys))
+            self._watch_idle()
 
     def _put_leased(self, group: int, keys: list[bytes], src: torch.Tensor) -> bool:
         """A put into slots leased to this store (:mod:`tierkv.daemon.leases`): copied at once,
@@ -115,12 +125,41 @@ class DaemonPuts:
                 self._link.send_owing({"op": "lease", "g": group, "n": more},
                                       self._leases.on_answer(group, at.generation, more))
 
+    def _watch_idle(self) -> None:
+        """Have a thread give the leased slots back once no put came for ``leases.IDLE_S`` s."""
+        with self._watch_lock:
+            if self._watcher is None and not self._stop.is_set() and self._leases.busy():
+                self._watcher = threading.Thread(target=self._watch, name="tierkv-lease-idle", daemon=True)
+                self._watcher.start()
+
+    def _watch(self) -> None:
+        idle = _leases.IDLE_S
+        while not self._stop.wait(idle / 4):
+            if time.monotonic() - self._last_put < idle:
+                continue
+            self._link.settle()  # slots lent by answers not read yet go back too
+            self._free(self._leases.take_all())
+            with self._watch_lock:
+                if not self._leases.busy():  # a put on another thread may have asked meanwhile
+                    self._watcher = None
+                    return
+
     def give_back(self) -> None:
         """Return the slots leased to this store (the daemon would free them when the connection
-        dropped, but only ``drop_grace_s`` later)."""
+        dropped, but only ``drop_grace_s`` later); no more are asked for after."""
+        self._stop.set()
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.join()
         self._link.settle()  # slots lent by answers not read yet are given back too
+        self._free(self._leases.held())
+        self._watcher = None
+        self._stop.clear()  # a store opened again leases again
+
+    def _free(self, held: dict[int, tuple[int, list[int]]]) -> None:
+        """Tell the daemon to free ``held`` slots (those of a connection no longer up went with it)."""
         now = self._link.generation
-        for group, (generation, slots) in self._leases.held().items():
+        for group, (generation, slots) in held.items():
             if generation == now and self._link.connected:
                 with contextlib.suppress(TierUnavailable):
                     self._link.call({"op": "adopt", "g": group, "h": [], "s": [], "ok": False,
