@@ -1,5 +1,6 @@
 """Loads never queue behind stores (#50): a file tier's writes have threads of their own, at a
-lower CPU priority, and a put copies outside the store's lock (and its caller's event loop).
+lower CPU priority, and a put copies outside the store's lock (and, while the store restores,
+outside its caller's event loop).
 
 With one pool of worker threads for both directions, a burst of stores (a cascade of a long
 prefix) filled the threads' queue and a restore waited behind every write ahead of it.
@@ -79,9 +80,11 @@ def _cpu_only(slots: int = 64) -> dict[str, object]:
 
 @pytest.mark.anyio
 async def test_a_put_copies_without_holding_the_store_or_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A large put copies on a worker thread, outside the store's lock: gets and lookups of other
-    blocks go on meanwhile, and its own blocks are PENDING until the copy is done."""
+    """A large put while the store restores copies on a worker thread, outside the store's lock:
+    gets and lookups of other blocks go on meanwhile, and its own blocks are PENDING until the
+    copy is done."""
     monkeypatch.setattr(writer, "THREAD_BYTES", 16 * BB)
+    monkeypatch.setattr(writer, "RESTORING_S", 1e9)  # the store counts as restoring
     held, new = hashes(8, doc=3), hashes(16, doc=4)
     data_held, data_new = blocks(8, BB, seed=3), blocks(16, BB, seed=4)
     copying, gate = threading.Event(), threading.Event()
@@ -137,6 +140,7 @@ async def test_a_put_whose_copy_fails_frees_its_slots(monkeypatch: pytest.Monkey
 @pytest.mark.anyio
 async def test_a_put_cancelled_during_its_copy_is_stored_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer, "THREAD_BYTES", 4 * BB)
+    monkeypatch.setattr(writer, "RESTORING_S", 1e9)
     new, data = hashes(16, doc=6), blocks(16, BB, seed=6)
     copying, gate = threading.Event(), threading.Event()
     pool_write = SlotPool.write
@@ -157,6 +161,46 @@ async def test_a_put_cancelled_during_its_copy_is_stored_whole(monkeypatch: pyte
         await store.get(FULL, new, out)
         assert torch.equal(out, data)
         assert store.stats().groups[FULL].writing == 0
+
+
+@pytest.mark.anyio
+async def test_a_large_put_hands_its_copy_off_only_while_the_store_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after a restore begins, a large put copies on a worker thread (the restore's steps
+    run in the caller's loop); in a store restoring nothing it copies on the caller's thread,
+    with no hand-off to pay."""
+    monkeypatch.setattr(writer, "THREAD_BYTES", 8 * BB)
+    monkeypatch.setattr(writer, "RESTORING_S", 0.3)
+    copied_on: list[int] = []
+    pool_write = SlotPool.write
+
+    def noting_write(self: SlotPool, slots: list[int], src: torch.Tensor) -> None:
+        copied_on.append(threading.get_ident())
+        pool_write(self, slots, src)
+
+    old, data = hashes(16, doc=20), blocks(16, BB, seed=20)
+    async with TieredStore(config(tmp_path)) as store:
+        await store.put(FULL, old, data)
+        await store.flush()
+    loop = threading.get_ident()
+    async with TieredStore(config(tmp_path)) as store:  # a new store: old is on the file tier only
+        monkeypatch.setattr(SlotPool, "write", noting_write)
+        await store.put(FULL, hashes(16, doc=21), blocks(16, BB, seed=21))
+        assert copied_on == [loop], "a put in a store restoring nothing handed its copy off"
+        assert store.lookup_prefix(old, request_id="r").state is Lookup.PENDING  # a restore begins
+        await store.put(FULL, hashes(16, doc=22), blocks(16, BB, seed=22))
+        assert copied_on[1] != loop, "a put beside a restore held the caller's loop for its copy"
+        await store.put(FULL, hashes(4, doc=23), blocks(4, BB, seed=23))  # small: never handed off
+        assert copied_on[2] == loop
+        out = torch.empty(16, BB, dtype=torch.uint8)
+        await store.get(FULL, old, out, request_id="r")
+        assert torch.equal(out, data)
+        await anyio.sleep(0.4)  # RESTORING_S after the restore's last landing
+        await store.put(FULL, hashes(16, doc=24), blocks(16, BB, seed=24))
+        assert copied_on[3] == loop, "a store stayed 'restoring' after its restores ended"
+        for doc, seed in ((21, 21), (22, 22), (24, 24)):
+            await store.get(FULL, hashes(16, doc=doc), out)
+            assert torch.equal(out, blocks(16, BB, seed=seed))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")

@@ -26,6 +26,7 @@ State changes happen under the store's lock; nothing here awaits.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -97,6 +98,8 @@ class BlockLedger:
         self._subscribers: list[Callable[[], None]] = []
         #: keys being promoted -> their promotion's landing
         self.promoting: dict[bytes, Landing] = {}
+        #: when a promotion last began or landed a batch (``time.monotonic()``)
+        self.promoted_at = 0.0
         #: keys an engine reserved and has not committed
         self.storing: dict[bytes, Storing] = {}
         #: keys cascading from a private copy
@@ -105,6 +108,12 @@ class BlockLedger:
         self._cascade_pins: dict[int, Counter[int]] = {g: Counter() for g in pools}
 
     # ---- in flight ------------------------------------------------------------------------------
+    def restoring(self, within: float) -> bool:
+        """Whether the store is restoring blocks: promotions in flight, a ``get`` open, or a
+        promotion begun or landed within the last ``within`` seconds."""
+        return (bool(self.promoting or self.admission.calls)
+                or time.monotonic() - self.promoted_at < within)
+
     def waiter(self, key: bytes) -> anyio.Event | None:
         """The event set when the block in flight under ``key`` lands or is stored; None when it
         is not in flight."""
@@ -124,6 +133,7 @@ class BlockLedger:
         when None: ``p`` rides along with a promotion not started yet otherwise)."""
         if landing is None:
             landing = Landing(p.group)
+        self.promoted_at = time.monotonic()
         self.promoting.update(dict.fromkeys(p.keys, landing))
         landing.slots.update(zip(p.keys, zip(p.slots, p.tokens, strict=True), strict=True))
         return landing
@@ -134,6 +144,7 @@ class BlockLedger:
         on them; only slots still the promotion's own (its tokens) change. Wakes the landing's
         waiters (``last``: nothing more of it is on its way). Returns how many became READY."""
         pool = self.pools[p.group]
+        self.promoted_at = time.monotonic()
         slots, tokens, keys, promoting = p.slots, p.tokens, p.keys, self.promoting
         good = [i for i, f in zip(positions, ok, strict=True) if f]
         if good:
