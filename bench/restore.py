@@ -12,7 +12,10 @@ it is not PENDING, then ``get`` of the whole prefix into an output tensor that w
 touched beforehand (an engine's KV buffer is). Time from the first lookup to ``get``'s return.
 
 A second variant ends with ``borrow`` instead of ``get``: the caller uses the restored rows where
-they landed in the pool, with no second copy.
+they landed in the pool, with no second copy. A third, ``get early``, is the caller that knows its
+rows when the restore starts: one ``lookup_prefix`` (PENDING), then ``get`` at once, which waits
+for the blocks landing; the threads reading them copy each verified block into its row of the
+output tensor while it is in cache, so the copy out overlaps the reads instead of following them.
 
 Baselines, same run, same files, plain single-threaded loops: ``raw read`` is ``open / read /
 close`` of each record file (a new ``bytes`` each time: malloc hands the loop the same cache-hot
@@ -109,6 +112,21 @@ async def restore_borrow(cfg: dict[str, Any], hashes: list[bytes], data: torch.T
             t1 = time.perf_counter()
             if not torch.equal(rows, data):
                 raise SystemExit("borrowed rows differ from those stored")
+    return t1 - t0
+
+
+async def restore_get_early(cfg: dict[str, Any], hashes: list[bytes], out: torch.Tensor,
+                            data: torch.Tensor) -> float:
+    """Time one request's restore whose ``get`` starts right after its first lookup."""
+    async with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        first = store.lookup_prefix(hashes, request_id="r")
+        if first.state is Lookup.MISS:
+            raise SystemExit(f"restore answered {first}, expected PENDING or HIT")
+        await store.get(0, hashes, out, request_id="r")
+        t1 = time.perf_counter()
+        if not torch.equal(out, data):
+            raise SystemExit("bytes restored by an early get differ from those stored")
     return t1 - t0
 
 
@@ -215,6 +233,9 @@ def run_file(args: argparse.Namespace, block: int, cache: str, base: Path) -> di
         r = anyio.run(restore, cfg, hashes, out, data)
         fresh()
         r["borrow_s"] = anyio.run(restore_borrow, cfg, hashes, data)
+        fresh()
+        out.zero_()
+        r["early_s"] = anyio.run(restore_get_early, cfg, hashes, out, data)
         r["raw_s"] = raw
         r["raw_into_s"] = raw_into
         r["memcpy_s"] = memcpy_s(data, spare)
@@ -225,10 +246,9 @@ def run_file(args: argparse.Namespace, block: int, cache: str, base: Path) -> di
         "url": "file", "block_bytes": block, "blocks": n, "cache": cache, "rounds": rounds,
         "restore_mb_s": total / med["restore_s"] / 1e6, "raw_mb_s": total / med["raw_s"] / 1e6,
         "borrow_mb_s": total / med["borrow_s"] / 1e6, "raw_into_mb_s": total / med["raw_into_s"] / 1e6,
-        "ratio_restore_vs_raw": statistics.median(r["raw_s"] / r["restore_s"] for r in rounds),
-        "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
-        "ratio_restore_vs_raw_into": statistics.median(r["raw_into_s"] / r["restore_s"] for r in rounds),
-        "ratio_borrow_vs_raw_into": statistics.median(r["raw_into_s"] / r["borrow_s"] for r in rounds),
+        "early_mb_s": total / med["early_s"] / 1e6,
+        **{f"ratio_{k}_vs_{base}": statistics.median(r[f"{base}_s"] / r[f"{k}_s"] for r in rounds)
+           for k in ("restore", "borrow", "early") for base in ("raw", "raw_into")},
         "ratio_resident_get_vs_memcpy": statistics.median(r["memcpy_s"] / r["resident_get_s"]
                                                           for r in rounds),
         "lookup_first_ms": med["lookup_first_ms"], "lookup_new_ms": med["lookup_new_ms"],
@@ -320,8 +340,10 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
         out.zero_()
         r = anyio.run(restore, cfg, hashes, out, data)
         r["borrow_s"] = anyio.run(restore_borrow, cfg, hashes, data)
+        out.zero_()
+        r["early_s"] = anyio.run(restore_get_early, cfg, hashes, out, data)
         r["raw_s"] = raw
-        r["raw_fast_s"] = min(raw, raw_obs) if raw_obs is not None else raw
+        r["fastest_raw_s"] = min(raw, raw_obs) if raw_obs is not None else raw
         if raw_obs is not None:
             r["raw_obstore_s"] = raw_obs
         rounds.append(r)
@@ -331,19 +353,25 @@ def run_s3(args: argparse.Namespace, block: int, server: Any) -> dict[str, Any]:
         "url": "s3", "block_bytes": block, "blocks": n, "cache": "warm", "rounds": rounds,
         "concurrency": concurrency, "client": client,
         "restore_mb_s": total / med["restore_s"] / 1e6, "raw_mb_s": total / med["raw_s"] / 1e6,
-        "borrow_mb_s": total / med["borrow_s"] / 1e6,
-        "ratio_restore_vs_raw": statistics.median(r["raw_s"] / r["restore_s"] for r in rounds),
-        "ratio_borrow_vs_raw": statistics.median(r["raw_s"] / r["borrow_s"] for r in rounds),
-        "ratio_restore_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["restore_s"] for r in rounds),
-        "ratio_borrow_vs_fastest_raw": statistics.median(r["raw_fast_s"] / r["borrow_s"] for r in rounds),
+        "borrow_mb_s": total / med["borrow_s"] / 1e6, "early_mb_s": total / med["early_s"] / 1e6,
+        **{f"ratio_{k}_vs_{base}": statistics.median(r[f"{base}_s"] / r[f"{k}_s"] for r in rounds)
+           for k in ("restore", "borrow", "early") for base in ("raw", "fastest_raw")},
         "lookup_phase_s": med["lookup_phase_s"], "get_s": med["get_s"], "tier_probes": med["tier_probes"],
     }
     if "raw_obstore_s" in med:
         out_r["raw_obstore_mb_s"] = total / med["raw_obstore_s"] / 1e6
-        for k in ("restore", "borrow"):
+        for k in ("restore", "borrow", "early"):
             out_r[f"ratio_{k}_vs_raw_obstore"] = statistics.median(
                 r["raw_obstore_s"] / r[f"{k}_s"] for r in rounds)
     return out_r
+
+
+VARIANTS = "restore+get / restore+borrow / get early"
+
+
+def three(r: dict[str, Any], base: str) -> str:
+    """The three variants' ratios to ``base``, in :data:`VARIANTS` order."""
+    return " / ".join(f"{r[f'ratio_{k}_vs_{base}']:.2f}" for k in ("restore", "borrow", "early"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -383,14 +411,13 @@ def main(argv: list[str] | None = None) -> None:
                     r = run_s3(args, kib << 10, server)
                     results.append(r)
                     obs = (f", raw obstore {r['raw_obstore_mb_s']:,.0f}" if "raw_obstore_mb_s" in r else "")
-                    to_obs = (f", to raw obstore {r['ratio_restore_vs_raw_obstore']:.2f} / "
-                              f"{r['ratio_borrow_vs_raw_obstore']:.2f}" if "raw_obstore_mb_s" in r else "")
+                    to_obs = f", to raw obstore {three(r, 'raw_obstore')}" if "raw_obstore_mb_s" in r else ""
                     print(f"s3:// (SeaweedFS, tier on {r['client']}) {r['blocks']} x {kib} KiB: restore+get "
-                          f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw s3fs "
-                          f"{r['raw_mb_s']:,.0f}{obs} ({r['concurrency']} in flight); ratios to raw s3fs "
-                          f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to the fastest "
-                          f"raw client {r['ratio_restore_vs_fastest_raw']:.2f} / "
-                          f"{r['ratio_borrow_vs_fastest_raw']:.2f}{to_obs} (lookups until "
+                          f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}, get early "
+                          f"{r['early_mb_s']:,.0f}; raw s3fs {r['raw_mb_s']:,.0f}{obs} "
+                          f"({r['concurrency']} in flight); ratios ({VARIANTS}) to raw s3fs "
+                          f"{three(r, 'raw')}, "
+                          f"to the fastest raw client {three(r, 'fastest_raw')}{to_obs} (lookups until "
                           f"HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s; "
                           f"{r['tier_probes']:.0f} presence probes of the tier)", flush=True)
             finally:
@@ -402,10 +429,10 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_file(args, kib << 10, cache, base)
                 results.append(r)
                 print(f"file:// {r['blocks']} x {kib} KiB, {cache}: restore+get "
-                      f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}; raw read "
-                      f"{r['raw_mb_s']:,.0f}, raw readinto {r['raw_into_mb_s']:,.0f}; ratios to raw read "
-                      f"{r['ratio_restore_vs_raw']:.2f} / {r['ratio_borrow_vs_raw']:.2f}, to raw readinto "
-                      f"{r['ratio_restore_vs_raw_into']:.2f} / {r['ratio_borrow_vs_raw_into']:.2f} "
+                      f"{r['restore_mb_s']:,.0f} MB/s, restore+borrow {r['borrow_mb_s']:,.0f}, get early "
+                      f"{r['early_mb_s']:,.0f}; raw read {r['raw_mb_s']:,.0f}, raw readinto "
+                      f"{r['raw_into_mb_s']:,.0f}; ratios ({VARIANTS}) to raw read {three(r, 'raw')}, "
+                      f"to raw readinto {three(r, 'raw_into')} "
                       f"(lookups until HIT {r['lookup_phase_s']:.3f} s, get {r['get_s']:.3f} s); "
                       f"resident get / memcpy {r['ratio_resident_get_vs_memcpy']:.2f}; lookup_prefix "
                       f"over 1,024 resident keys {r['lookup_first_ms']:.2f} ms first after the restore, "
