@@ -137,7 +137,7 @@ class DaemonPuts:
         while not self._stop.wait(idle / 4):
             if time.monotonic() - self._last_put < idle:
                 continue
-            self._link.settle()  # slots lent by answers not read yet go back too
+            self._link.current()  # answers that have come lend their slots first (no waiting)
             self._free(self._leases.take_all())
             with self._watch_lock:
                 if not self._leases.busy():  # a put on another thread may have asked meanwhile
