@@ -89,18 +89,13 @@ class Leases:
         with self._lock:
             return any(lease.slots or lease.asked for lease in self._by_group.values())
 
-    def take_all(self) -> dict[int, tuple[int, list[int]]]:
+    def take_all(self, forget: bool = False) -> dict[int, tuple[int, list[int]]]:
         """Every group's leased slots and their connection's generation, handed out (the answers
-        still owed add to the lease as they come)."""
+        still owed add to the lease as they come; with ``forget``, they are dropped too)."""
         with self._lock:
             out = {g: (lease.generation, lease.slots) for g, lease in self._by_group.items() if lease.slots}
             for lease in self._by_group.values():
                 lease.slots = []
-            return out
-
-    def held(self) -> dict[int, tuple[int, list[int]]]:
-        """Every group's leased slots and their connection's generation (and forgets them)."""
-        with self._lock:
-            out = {g: (lease.generation, lease.slots) for g, lease in self._by_group.items() if lease.slots}
-            self._by_group.clear()
+            if forget:
+                self._by_group.clear()
             return out

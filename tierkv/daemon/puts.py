@@ -152,7 +152,7 @@ class DaemonPuts:
         if watcher is not None:
             watcher.join()
         self._link.settle()  # slots lent by answers not read yet are given back too
-        self._free(self._leases.held())
+        self._free(self._leases.take_all(forget=True))
         self._watcher = None
         self._stop.clear()  # a store opened again leases again
 
